@@ -33,3 +33,7 @@ class DownloadError(KippError):
 
 class QuantError(KippError):
     """Bad input to a weight quantizer or dequantizer."""
+
+
+class ConvertError(KippError):
+    """A source checkpoint folder cannot be converted into a Kipp artifact."""

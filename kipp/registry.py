@@ -69,7 +69,7 @@ class Checkpoint:
 
     @property
     def attention_width(self) -> int:
-        """query_heads * head_dim: NOT the hidden width at 0.6B and 32B."""
+        """query_heads * head_dim: NOT the hidden width at 0.6B, 4B and 32B."""
         return self.query_heads * HEAD_DIM
 
     @property
