@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 CHECKPOINT ?= kipp-synthetic/qwen3-tiny
 SCHEME ?= bf16
+BACKEND ?= auto
+PROMPT ?= The Qwen3 family of language models
+MAX_TOKENS ?= 32
 
 .PHONY: run test test-slow
 
@@ -16,10 +19,11 @@ $(VENV)/.dev: $(VENV)/.base
 	$(VENV)/bin/pip install --quiet -e '.[dev]'
 	touch $@
 
-# The main job. Until the engine generates text, it prepares the checkpoint's artifact:
-# synthesize (or download) the Hugging Face folder, convert it, validate and summarise it.
+# The main job: generate text. The first run makes the checkpoint's artifact (synthesize or
+# download the pinned revision, then convert) under $$KIPP_HOME (default ~/.cache/kipp).
 run: $(VENV)/.base
-	$(VENV)/bin/kipp prepare $(CHECKPOINT) --scheme $(SCHEME)
+	$(VENV)/bin/kipp run $(CHECKPOINT) --scheme $(SCHEME) --backend $(BACKEND) \
+		--prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --temperature 0
 
 test: $(VENV)/.dev
 	$(VENV)/bin/pytest

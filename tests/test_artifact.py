@@ -101,6 +101,17 @@ def test_tokenizer_data_survives_the_artifact(artifacts, synthetic_dir):
     assert from_gguf == from_files
 
 
+def test_tokenizer_from_gguf_encodes_like_from_files(artifacts, synthetic_dir):
+    from kipp.tokenizer import Tokenizer
+
+    folder = synthetic_dir(TINY)
+    a = Tokenizer.from_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
+    b = Tokenizer.from_gguf(artifacts(TINY, "q8_0"))
+    text = "<|im_start|>user\nHéllo, 世界! <think>x</think> 12345<|im_end|>\n"
+    assert a.encode(text) == b.encode(text)
+    assert b.decode(b.encode(text)) == text
+
+
 # ---- rejections ------------------------------------------------------------------------------
 
 

@@ -1,0 +1,104 @@
+"""The backend boundary: one small, model-specific contract every Kipp backend implements.
+
+A backend owns its prepared weights, activation scratch and one KV slab of physical 32-position
+blocks (K and V, BF16, `[layer][block][32][8 kv heads][128]`). Everything above it (block pool,
+sessions, sampling, scheduler, server) is pure Python and only ever passes `EvalItem`s in and
+gets float32 logits out; no caller sees a backend array.
+
+    backend = ReferenceBackend(open_artifact("tiny.gguf"), num_blocks=64)
+    table = [5, 2]                                     # physical blocks for positions 0..63
+    [logits] = backend.eval([EvalItem(tokens=(9707, 11, 1879), start_position=0,
+                                      block_table=table)])
+    logits.shape                                       # (1, 151936): the last token's row
+    [logits] = backend.eval([EvalItem((0,), 3, table)])  # decode: appends position 3
+
+`start_position` must equal the sequence's logical length: positions below it hold that
+sequence's KV already, the item's tokens occupy the next positions. Position p lives at
+`block_table[p // 32] * 32 + p % 32`, so a scrambled table must give bitwise the logits of the
+identity table. A multi-item call may share weight reads between items; its results must equal
+isolated calls (bitwise on the reference backend, within the gate tolerance elsewhere).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kipp.errors import KippError
+from kipp.registry import KV_BLOCK, VOCAB_SIZE
+
+
+class EvalError(KippError, ValueError):
+    """An eval item the backend cannot run; nothing was evaluated or stored."""
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One sequence's share of an eval call."""
+
+    tokens: tuple[int, ...]
+    start_position: int  # == the sequence's logical length before this call
+    block_table: tuple[int, ...]  # physical blocks covering [0, start_position + len(tokens))
+    logits_rows: int = 1  # logits for the last N tokens: 1 for sampling, more for speculation
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "block_table", tuple(int(b) for b in self.block_table))
+        if not self.tokens:
+            raise EvalError("an eval item needs at least one token")
+        if self.start_position < 0:
+            raise EvalError(f"start_position {self.start_position} is negative")
+        if not 1 <= self.logits_rows <= len(self.tokens):
+            raise EvalError(f"logits_rows {self.logits_rows} is outside 1..{len(self.tokens)}")
+        end = self.start_position + len(self.tokens)
+        if len(self.block_table) * KV_BLOCK < end:
+            raise EvalError(f"block table of {len(self.block_table)} blocks covers "
+                            f"{len(self.block_table) * KV_BLOCK} positions, item needs {end}")
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.tokens)
+
+
+class Backend(ABC):
+    """A Qwen3 implementation behind Kipp's boundary. Subclasses implement `eval`."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_blocks: int, context_length: int):
+        if num_blocks < 1:
+            raise EvalError(f"a backend needs at least one KV block, got {num_blocks}")
+        self._num_blocks = num_blocks
+        self._context_length = context_length
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical 32-position KV blocks in this backend's slab."""
+        return self._num_blocks
+
+    def describe(self) -> str:
+        """One line naming the backend and the path it runs (for logs and benchmarks)."""
+        return self.name
+
+    def check(self, items: Sequence[EvalItem]) -> None:
+        """Reject, before any work, items this backend cannot run."""
+        if not items:
+            raise EvalError("eval needs at least one item")
+        for item in items:
+            bad = [t for t in item.tokens if not 0 <= t < VOCAB_SIZE]
+            if bad:
+                raise EvalError(f"token id {bad[0]} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+            if item.end_position > self._context_length:
+                raise EvalError(f"position {item.end_position - 1} is past the context length "
+                                f"{self._context_length}")
+            used = item.block_table[: -(-item.end_position // KV_BLOCK)]
+            bad = [b for b in used if not 0 <= b < self._num_blocks]
+            if bad:
+                raise EvalError(f"block id {bad[0]} is outside the KV slab 0..{self._num_blocks - 1}")
+
+    @abstractmethod
+    def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
+        """Run every item; return float32 logits [item.logits_rows, 151936] per item."""

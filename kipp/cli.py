@@ -1,0 +1,215 @@
+"""The `kipp` command line: thin wrappers over the same calls the Python API makes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kipp.errors import KippError
+
+SCHEME_NAMES = ("bf16", "q8_0", "affine4_gs32", "scale4_gs32")
+
+
+def _synthesize(args) -> None:
+    from kipp.synthetic import synthesize
+
+    folder = synthesize(args.checkpoint, args.out)
+    print(folder)
+
+
+def _download(args) -> None:
+    from kipp.download import download
+
+    print(download(args.checkpoint, revision=args.revision, cache_dir=args.cache_dir))
+
+
+def _convert(args) -> None:
+    from kipp.convert import convert
+
+    out = convert(args.checkpoint, args.source, args.scheme, args.out,
+                  progress=not args.quiet)
+    print(out)
+
+
+def _prepare(args) -> None:
+    from kipp.store import ensure_artifact
+
+    _describe(ensure_artifact(args.checkpoint, args.scheme, progress=not args.quiet))
+
+
+def _inspect(args) -> None:
+    _describe(args.artifact)
+
+
+def _describe(path) -> None:
+    from kipp.artifact import open_artifact
+
+    artifact = open_artifact(path)
+    entry, file = artifact.entry, artifact.file
+    size = file.mapping.size
+    print(f"{artifact.path}: valid Kipp artifact ({size / 2**20:.1f} MiB)")
+    print(f"  checkpoint   {entry.id} @ {entry.revision} ({entry.variant})")
+    print(f"  scheme       {artifact.scheme.name}")
+    print(f"  dims         hidden {entry.hidden}, intermediate {entry.intermediate}, "
+          f"layers {entry.layers}, query heads {entry.query_heads}, "
+          f"attention width {entry.attention_width}")
+    print(f"  context      {entry.context_length} tokens, rope theta {entry.rope_theta:g}, "
+          f"{'tied' if entry.tied else 'untied'} lm_head")
+    print(f"  tensors      {len(file.tensors)}; KV {entry.kv_bytes_per_token} bytes/token")
+
+
+def _load(args):
+    from kipp.model import load
+
+    return load(args.model, backend=args.backend, scheme=args.scheme)
+
+
+def _sampling(args) -> dict:
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "seed": args.seed}
+
+
+def _run(args) -> None:
+    model = _load(args)
+    generation = model.generate(args.prompt, args.max_tokens, stream=True, **_sampling(args))
+    _stream(generation)
+
+
+def _stream(generation) -> None:
+    for piece in generation:
+        print(piece, end="", flush=True)
+    print()
+    s = generation.stats
+    print(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} reused), prefill "
+          f"{s.prefill_tokens_per_second:.1f} tok/s; {s.completion_tokens} generated, decode "
+          f"{s.decode_tokens_per_second:.1f} tok/s; finish: {s.finish_reason}]", file=sys.stderr)
+
+
+def _chat(args) -> None:
+    model = _load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("kipp chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        generation = model.chat(messages, args.max_tokens, stream=True,
+                                enable_thinking=not args.no_think, **_sampling(args))
+        _stream(generation)
+        messages.append({"role": "assistant",
+                         "content": model.tokenizer.decode(generation.stats.tokens)})
+
+
+def _gates(args) -> int:
+    import tempfile
+
+    from kipp import gates
+    from kipp.convert import convert
+    from kipp.model import load
+
+    model = _load(args)
+    source = args.source
+    if source is None:
+        from kipp.store import source_folder
+
+        source = source_folder(model.entry.id)
+    results = []
+    bf16 = model
+    with tempfile.TemporaryDirectory() as scratch:
+        if model.artifact.scheme.name != "bf16":
+            path = convert(model.entry.id, source, "bf16", f"{scratch}/bf16.gguf", progress=False)
+            bf16 = load(path, backend="reference", progress=False)
+            results.append(gates.gate_quantized(model, bf16))
+        results.insert(0, gates.gate_transformers(bf16, source))
+        results += [gates.gate_cached_decode(model), gates.gate_scrambled_table(model),
+                    gates.gate_batched(model)]
+    print(gates.format_table(results))
+    return 0 if all(r.passed for r in results) else 1
+
+
+def _add_model_arguments(p) -> None:
+    p.add_argument("model", help="a registry id or a .gguf artifact")
+    p.add_argument("--backend", default="auto", help="auto, reference, mlx or jax")
+    p.add_argument("--scheme", default="bf16", choices=SCHEME_NAMES,
+                   help="weight scheme when MODEL is a registry id")
+
+
+def _add_sampling_arguments(p) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kipp", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("synthesize", help="write a synthetic checkpoint's HF folder")
+    p.add_argument("checkpoint", help="a kipp-synthetic/... registry id")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.set_defaults(run=_synthesize)
+
+    p = commands.add_parser("download", help="fetch a checkpoint's pinned revision into the HF cache")
+    p.add_argument("checkpoint", help="a registry id, e.g. Qwen/Qwen3-0.6B")
+    p.add_argument("--revision", help="must equal the pinned revision if given")
+    p.add_argument("--cache-dir", type=Path, help="Hugging Face cache folder")
+    p.set_defaults(run=_download)
+
+    p = commands.add_parser("convert", help="convert a BF16 HF folder into a Kipp GGUF artifact")
+    p.add_argument("--checkpoint", required=True, help="registry id of the source")
+    p.add_argument("--source", required=True, type=Path, help="Hugging Face folder")
+    p.add_argument("--scheme", required=True, choices=SCHEME_NAMES)
+    p.add_argument("--out", required=True, type=Path, help="output .gguf file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_convert)
+
+    p = commands.add_parser("prepare", help="make a checkpoint's artifact (download or "
+                            "synthesize, then convert) unless it exists; print its summary")
+    p.add_argument("checkpoint", help="a registry id")
+    p.add_argument("--scheme", default="bf16", choices=SCHEME_NAMES)
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(run=_prepare)
+
+    p = commands.add_parser("run", help="generate text from a prompt, streaming")
+    _add_model_arguments(p)
+    p.add_argument("--prompt", required=True)
+    _add_sampling_arguments(p)
+    p.set_defaults(run=_run)
+
+    p = commands.add_parser("chat", help="interactive chat (instruct checkpoints)")
+    _add_model_arguments(p)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--no-think", action="store_true", help="enable_thinking=False")
+    _add_sampling_arguments(p)
+    p.set_defaults(run=_chat)
+
+    p = commands.add_parser("gates", help="correctness gates of an artifact vs its source")
+    _add_model_arguments(p)
+    p.add_argument("--source", type=Path, help="HF folder of the source checkpoint "
+                   "(default: the cached or synthesized source of a registry id)")
+    p.set_defaults(run=_gates)
+
+    p = commands.add_parser("inspect", help="validate an artifact and summarise it")
+    p.add_argument("artifact", type=Path)
+    p.set_defaults(run=_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except KippError as e:
+        print(f"kipp: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

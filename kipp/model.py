@@ -1,0 +1,274 @@
+"""The public engine: `kipp.load` and the Model it returns.
+
+    model = kipp.load("kipp-synthetic/qwen3-tiny", backend="reference")
+    print(model.generate("Hello", max_tokens=16, temperature=0))
+    for piece in model.generate("Hello", max_tokens=16, stream=True):
+        print(piece, end="")
+    with model.session(capacity=256) as s:
+        logits = s.eval(model.tokenizer.encode("Hello"))      # [1, 151936] float32
+
+A model owns one backend (with its KV slab) and the block pool over that slab; sessions,
+generation and batched eval all go through `eval_batch`, the one place that turns sessions into
+backend items.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from kipp import registry
+from kipp.artifact import Artifact, open_artifact
+from kipp.blocks import BLOCK_SIZE, BlockPool
+from kipp.errors import KippError
+from kipp.registry import VOCAB_SIZE
+from kipp.sampling import Sampler, SamplingParams
+from kipp.session import Session, SessionError
+from kipp.tokenizer import StreamingDetokenizer, Tokenizer
+
+BACKENDS = ("reference", "mlx", "jax")
+
+
+class GenerationError(KippError, ValueError):
+    """Bad arguments to generate or chat; nothing was evaluated."""
+
+
+def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
+         kv_tokens: int | None = None, progress: bool = True) -> "Model":
+    """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
+    with progress output) or a local .gguf artifact path. `kv_tokens` sizes the KV slab
+    (default: the checkpoint's context length; the reference backend pages it in lazily)."""
+    path = Path(checkpoint)
+    if path.suffix == ".gguf" or path.is_file():
+        artifact = open_artifact(path)
+    else:
+        from kipp.store import ensure_artifact
+
+        artifact = open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
+    return Model(artifact, _make_backend(artifact, backend, kv_tokens, progress))
+
+
+def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose: bool):
+    if name not in BACKENDS + ("auto",):
+        raise KippError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+    tokens = artifact.entry.context_length if kv_tokens is None else kv_tokens
+    if not BLOCK_SIZE <= tokens:
+        raise KippError(f"kv_tokens {tokens} is below one {BLOCK_SIZE}-token block")
+    num_blocks = -(-tokens // BLOCK_SIZE)
+    chosen, why = _choose_backend(name)
+    if chosen != "reference":
+        raise KippError(f"the {chosen} backend is not part of this Kipp build yet; "
+                        f"use backend='reference'")
+    from kipp.reference.backend import ReferenceBackend
+
+    backend = ReferenceBackend(artifact, num_blocks)
+    if verbose:
+        print(f"kipp: backend {backend.describe()} ({why})", file=sys.stderr)
+    return backend
+
+
+def _choose_backend(name: str) -> tuple[str, str]:
+    if name != "auto":
+        return name, "requested"
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return "reference", "auto: Apple silicon, but the MLX backend is not built yet"
+    return "reference", "auto: no accelerated backend in this build"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV was adopted from the block pool
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # time in single-token evals
+    decode_evals: int = 0
+    finish_reason: str | None = None  # "stop" or "length"
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        evaluated = self.prompt_tokens - self.reused_tokens
+        return evaluated / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_evals / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Model:
+    """A loaded checkpoint on one backend. Not thread-safe: one caller (or engine thread)."""
+
+    def __init__(self, artifact: Artifact, backend):
+        self.artifact = artifact
+        self.entry = artifact.entry
+        self.backend = backend
+        self.pool = BlockPool(backend.num_blocks)
+        self.tokenizer = Tokenizer(artifact.tokenizer_data())
+
+    def session(self, capacity: int | None = None) -> Session:
+        """A new empty session of `capacity` tokens (default: the context length)."""
+        return Session(self, capacity)
+
+    def check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """Token ids as a list of ints, or a clear error naming the first bad one."""
+        try:
+            ids = [int(t) for t in tokens]
+        except (TypeError, ValueError):
+            raise SessionError("tokens must be a sequence of integer ids") from None
+        if not ids:
+            raise SessionError("at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise SessionError(f"token id {bad[0]} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
+        return ids
+
+    def eval_batch(self, requests: Sequence[tuple[Session, Sequence[int], int]]) -> list[np.ndarray]:
+        """Evaluate (session, tokens, logits_rows) triples in one backend call.
+
+        Each session appends its tokens. If anything fails, every session is left as it was.
+        """
+        sessions = [request[0] for request in requests]
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise SessionError("a session may appear only once in a batch")
+        items = []
+        try:
+            for session, tokens, rows in requests:
+                items.append(session.item(tokens, rows))
+            results = self.backend.eval(items)
+        except BaseException:
+            for session in sessions[: len(items) + 1]:
+                if not session.closed:
+                    session.abandon()
+            raise
+        for session, item in zip(sessions, items):
+            session.commit(item)
+        return results
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise GenerationError("the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        try:
+            return self.check_tokens(prompt)
+        except SessionError as e:
+            raise GenerationError(f"prompt: {e}") from None
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
+                 stream: bool = False, stop: Sequence[str] | str | None = None,
+                 **sampling) -> "str | Generation":
+        """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
+        Generation: an iterator of text pieces whose `.stats` fill in as it runs. Sampling
+        keywords are those of SamplingParams (temperature, top_p, top_k, min_p, penalties,
+        logit_bias, seed)."""
+        generation = Generation(self, self.prompt_ids(prompt), max_tokens, stop,
+                                SamplingParams(**sampling))
+        return generation if stream else "".join(generation)
+
+    def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,
+             stream: bool = False, **kwargs) -> "str | Generation":
+        """Generate the assistant's reply to `messages` (instruct checkpoints only)."""
+        from kipp.chat import render
+
+        if not self.entry.has_chat_template:
+            raise GenerationError(f"{self.entry.id} is a base checkpoint: it has no chat "
+                                  f"template; use generate()")
+        text = render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
+        return self.generate(text, max_tokens, stream=stream, **kwargs)
+
+
+class Generation:
+    """One streaming generation: iterate for text pieces; `stats` has counts and timings."""
+
+    def __init__(self, model: Model, prompt: list[int], max_tokens: int, stop, params):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        room = model.entry.context_length - len(prompt)
+        if max_tokens > room:
+            raise GenerationError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
+                                  f"exceeds the context length {model.entry.context_length}")
+        self.model = model
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.stops = StopStrings([stop] if isinstance(stop, str) else list(stop or []))
+        self.sampler = Sampler(params)
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self._iterator = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._iterator)
+
+    def _run(self) -> Iterator[str]:
+        model, stats = self.model, self.stats
+        detok = StreamingDetokenizer(model.tokenizer)
+        with model.session(len(self.prompt) + self.max_tokens) as session:
+            start = time.perf_counter()
+            stats.reused_tokens = session.match_prefix(self.prompt)
+            logits = session.eval(self.prompt[stats.reused_tokens:])[0]
+            stats.prefill_seconds = time.perf_counter() - start
+            while True:
+                token = self.sampler.sample(logits, session.tokens)
+                if token in model.entry.stop_token_ids:
+                    stats.finish_reason = "stop"
+                    break
+                stats.tokens.append(token)
+                stats.completion_tokens += 1
+                text, stopped = self.stops.feed(detok.push(token))
+                if text:
+                    yield text
+                if stopped:
+                    stats.finish_reason = "stop"
+                    break
+                if stats.completion_tokens == self.max_tokens:
+                    stats.finish_reason = "length"
+                    break
+                start = time.perf_counter()
+                logits = session.eval([token])[0]
+                stats.decode_seconds += time.perf_counter() - start
+                stats.decode_evals += 1
+        if not self.stops.stopped:
+            tail = self.stops.flush(detok.flush())
+            if tail:
+                yield tail
+
+
+class StopStrings:
+    """Holds back streamed text while it could still become a stop string."""
+
+    def __init__(self, stops: list[str]):
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise GenerationError("stop strings must be non-empty strings")
+        self.stops = stops
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit now, whether a stop string was reached)."""
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            emit, self.pending, self.stopped = self.pending[:cut], "", True
+            return emit, True
+        hold = max((k for s in self.stops for k in range(1, len(s))
+                    if self.pending.endswith(s[:k])), default=0)
+        emit = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(emit):]
+        return emit, False
+
+    def flush(self, text: str = "") -> str:
+        emit, stopped = self.feed(text)
+        if stopped:
+            return emit
+        emit, self.pending = emit + self.pending, ""
+        return emit

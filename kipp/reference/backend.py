@@ -1,0 +1,121 @@
+"""The numpy oracle backend: Qwen3's forward pass read top to bottom, FP32 accumulation.
+
+Per layer, in order: (1) RMSNorm; (2) Q, K, V projections; (3) per-head RMSNorm on Q and K;
+(4) RoPE; (5) causal grouped-query attention over the paged KV; (6) output projection and
+residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the final RMSNorm and
+the output head (the embedding when tied) give 151,936 FP32 logits.
+
+K and V are rounded to BF16 when stored, exactly as the KV storage contract says, and attention
+always reads them back from the slab, for prompt and decode tokens alike, so a token's logits
+do not depend on whether its prefix was evaluated in this call, an earlier one, or another
+sequence whose blocks it adopted. Items of a batch share each weight chunk's conversion; every
+row's arithmetic is independent of the others (see ops.linear), so batched equals isolated
+bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from kipp.artifact import Artifact, LayerWeights
+from kipp.backend import Backend, EvalItem
+from kipp.reference import ops
+from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
+
+
+class ReferenceBackend(Backend):
+    """The numpy oracle. Weights stay in the mapped artifact; KV is one BF16 slab."""
+
+    name = "reference"
+
+    def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16):
+        """`kv_dtype` float32 is a diagnostic only: with K/V unrounded the reference should
+        match an FP32 oracle to rounding noise, which shows the BF16 KV is the only gap."""
+        entry = artifact.entry
+        super().__init__(num_blocks, entry.context_length)
+        self.entry = entry
+        self.weights = artifact.weights
+        self.scheme = artifact.scheme
+        # [layer, block * 32 + offset, kv_head, 128]; np.zeros pages in lazily.
+        slab = (entry.layers, num_blocks * KV_BLOCK, KV_HEADS, HEAD_DIM)
+        self.k_cache = np.zeros(slab, kv_dtype)
+        self.v_cache = np.zeros(slab, kv_dtype)
+        self._norms = [
+            {name: getattr(layer, name).f32() for name in ("attn_norm", "q_norm", "k_norm",
+                                                             "ffn_norm")}
+            for layer in self.weights.layers
+        ]
+        self._output_norm = self.weights.output_norm.f32()
+
+    def describe(self) -> str:
+        return f"reference (numpy, {self.scheme.name} weights)"
+
+    def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
+        self.check(items)
+        tokens = np.concatenate([np.asarray(item.tokens, np.int64) for item in items])
+        x = self.weights.token_embd.bf16()[tokens].astype(np.float32)  # [T, hidden]
+        positions = np.concatenate([np.arange(item.start_position, item.end_position)
+                                    for item in items])
+        cos, sin = ops.rope_tables(positions, self.entry.rope_theta)
+        slots = np.concatenate([_slots(item, 0, item.end_position) for item in items])
+        for index, layer in enumerate(self.weights.layers):
+            x = self._layer(index, layer, x, items, cos, sin, slots)
+        return self._logits(x, items)
+
+    def _layer(self, index, layer: LayerWeights, x, items, cos, sin, slots):
+        norms = self._norms[index]
+        t = x.shape[0]
+        h = ops.rms_norm(x, norms["attn_norm"])                            # (1)
+        q = ops.linear(h, layer.q).reshape(t, -1, HEAD_DIM)                 # (2) [T, H, 128]
+        k = ops.linear(h, layer.k).reshape(t, KV_HEADS, HEAD_DIM)           #     [T, 8, 128]
+        v = ops.linear(h, layer.v).reshape(t, KV_HEADS, HEAD_DIM)
+        q = ops.rms_norm(q, norms["q_norm"])                                # (3)
+        k = ops.rms_norm(k, norms["k_norm"])
+        q = ops.apply_rope(q, cos, sin)                                     # (4)
+        k = ops.apply_rope(k, cos, sin)
+        attn = self._attention(index, q, k, v, items, slots)                # (5) [T, H * 128]
+        x = x + ops.linear(attn, layer.o)                                   # (6)
+        h = ops.rms_norm(x, norms["ffn_norm"])                              # (7)
+        with np.errstate(over="ignore"):  # exp overflow in SiLU of very negative x gives -0
+            ffn = ops.silu(ops.linear(h, layer.gate)) * ops.linear(h, layer.up)
+        return x + ops.linear(ffn, layer.down)                              # (8), (9)
+
+    def _attention(self, index, q, k, v, items, slots):
+        """Store this call's K/V (BF16), then attend every token over its visible positions."""
+        k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+        out = np.empty((q.shape[0], q.shape[1] * HEAD_DIM), np.float32)
+        row = 0
+        for item in items:
+            n = len(item.tokens)
+            new = _slots(item, item.start_position, item.end_position)
+            k_cache[new] = k[row:row + n].astype(k_cache.dtype)
+            v_cache[new] = v[row:row + n].astype(v_cache.dtype)
+            visible = _slots(item, 0, item.end_position)
+            keys = k_cache[visible].astype(np.float32)  # [positions, 8, 128]
+            values = v_cache[visible].astype(np.float32)
+            grouped = q[row:row + n].reshape(n, KV_HEADS, -1, HEAD_DIM)  # [n, 8, group, 128]
+            for i in range(n):
+                p = item.start_position + i
+                out[row + i] = ops.attend(grouped[i], keys[:p + 1], values[:p + 1])
+            row += n
+        return out
+
+    def _logits(self, x, items) -> list[np.ndarray]:
+        """Final RMSNorm and output head for each item's last logits_rows tokens."""
+        ends = np.cumsum([len(item.tokens) for item in items])
+        rows = np.concatenate([np.arange(end - item.logits_rows, end)
+                               for end, item in zip(ends, items)])
+        h = ops.rms_norm(x[rows], self._output_norm)
+        logits = ops.linear(h, self.weights.output)
+        splits = np.cumsum([item.logits_rows for item in items])[:-1]
+        return [np.ascontiguousarray(part) for part in np.split(logits, splits)]
+
+
+def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
+    """Physical slab rows of positions [start, stop) through the item's block table."""
+    positions = np.arange(start, stop)
+    table = np.asarray(item.block_table, np.int64)
+    return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
