@@ -41,7 +41,7 @@ class Synthetic:
     """How `kipp.synthetic` generates a synthetic checkpoint's weights."""
 
     seed: int
-    init_std: float  # std of projection weights; larger than HF's 0.02 so logits are peaked
+    init_std: float  # std of random q/k/v/gate/up weights; o/down: init_std / sqrt(2 * layers)
     shards: int = 1  # >1 writes model-0000N-of-0000M.safetensors plus an index, like big repos
 
 
@@ -194,17 +194,17 @@ _ENTRIES = [
     _hub("Qwen/Qwen3-32B", "9216db5781bf21249d130ec9da846c4624c16137",
          "instruct", 5120, 25600, 64, 64, 40960, 1e6, False, ["tied"]),
     # Synthetic checkpoints: seeded random weights, real architecture and file layout.
-    Checkpoint("kipp-synthetic/qwen3-tiny", "synthetic-v1-seed-1", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-tiny", "synthetic-v2-seed-1", "instruct",
                256, 768, 2, 16, 4096, 1e6, True, synthetic=Synthetic(seed=1, init_std=0.08)),
-    Checkpoint("kipp-synthetic/qwen3-tiny-base", "synthetic-v1-seed-2", "base",
+    Checkpoint("kipp-synthetic/qwen3-tiny-base", "synthetic-v2-seed-2", "base",
                256, 768, 2, 16, 4096, 1e6, True, synthetic=Synthetic(seed=2, init_std=0.08)),
     # Untied lm_head, 5 query heads per KV head (as at 14B), a sharded safetensors layout.
-    Checkpoint("kipp-synthetic/qwen3-tiny-untied", "synthetic-v1-seed-3", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-tiny-untied", "synthetic-v2-seed-3", "instruct",
                256, 768, 2, 40, 4096, 1e6, False,
                synthetic=Synthetic(seed=3, init_std=0.08, shards=2)),
     # The exact Qwen3-0.6B shapes, for benchmarks.
-    Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v1-seed-4", "instruct",
-               1024, 3072, 28, 16, 40960, 1e6, True, synthetic=Synthetic(seed=4, init_std=0.08)),
+    Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v2-seed-4", "instruct",
+               1024, 3072, 28, 16, 40960, 1e6, True, synthetic=Synthetic(seed=4, init_std=0.04)),
 ]
 
 REGISTRY: Mapping[str, Checkpoint] = MappingProxyType({c.id: c for c in _ENTRIES})
