@@ -1,0 +1,366 @@
+"""The benchmark harness (bench/): statistics, provenance, fallback refusal, records, schedule,
+report. Fast and peer-free: every Kipp run uses the tiny synthetic checkpoint."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench/ is a directory of the repo, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from bench import arms, ceiling, fallback, ppl, provenance, records, report, runner  # noqa: E402
+from bench import stats, workloads  # noqa: E402
+from bench.engines.base import ArmSpec  # noqa: E402
+
+TINY = "kipp-synthetic/qwen3-tiny"
+
+
+# ---- statistics ----------------------------------------------------------------------------
+
+def test_median_mad_min_max_on_known_data():
+    s = stats.summarize([10.0, 12.0, 11.0, 50.0])
+    assert s == {"n": 4, "median": 11.5, "mad": 1.0, "min": 10.0, "max": 50.0}
+    odd = stats.summarize([3, 1, 2, 9, 5])
+    assert odd["median"] == 3 and odd["mad"] == 2  # deviations 0,2,1,6,2 -> median 2
+    assert stats.summarize([7.0]) == {"n": 1, "median": 7.0, "mad": 0.0, "min": 7.0, "max": 7.0}
+
+
+def test_statistics_refuse_empty_and_non_finite_and_zero_durations():
+    with pytest.raises(ValueError):
+        stats.summarize([])
+    with pytest.raises(ValueError):
+        stats.summarize([1.0, math.nan])
+    with pytest.raises(ValueError):
+        stats.rate(10, 0.0)
+    assert stats.rate(10, 2.0) == 5.0
+
+
+# ---- fallback refusal ----------------------------------------------------------------------
+
+def test_the_reference_path_is_accepted():
+    described = "reference (numpy, q8_0 weights)"
+    assert fallback.check_kernel_path("reference", "q8_0", described) == described
+
+
+@pytest.mark.parametrize("backend, scheme, described, why", [
+    ("mlx", "bf16", "reference (numpy, bf16 weights)", "requested"),  # another backend ran
+    ("reference", "q8_0", "reference (numpy, bf16 weights)", "scheme"),  # converted on load
+    ("mlx", "q8_0", "mlx (plain mx ops, q8_0)", "metal"),  # the kernel path is missing
+    ("mlx", "q8_0", "mlx (metal, q8_0, fell back to mx.matmul)", "fallback"),
+    ("jax", "bf16", "jax (bf16, jnp twin on cpu)", "pallas"),
+])
+def test_a_slower_path_than_requested_is_refused(backend, scheme, described, why):
+    with pytest.raises(fallback.FallbackError, match=why):
+        fallback.check_kernel_path(backend, scheme, described)
+
+
+def test_the_jax_backends_own_descriptions():
+    kernels = ("jax (Pallas kernels (Triton) on gpu: auto: JAX sees a GPU (NVIDIA H200); "
+               "q8_0 weights, q8_0 artifact)")
+    assert fallback.check_kernel_path("jax", "q8_0", kernels) == kernels
+    for slower in ("jax (jax.numpy twins on cpu: JAX platform is cpu, no GPU for the kernels; "
+                   "bf16 weights, bf16 artifact)",
+                   "jax (Pallas kernels (interpret mode) on cpu: interpret mode requested; "
+                   "bf16 weights, bf16 artifact)"):
+        with pytest.raises(fallback.FallbackError):
+            fallback.check_kernel_path("jax", "bf16", slower)
+
+
+def test_an_explicit_expectation_permits_the_named_slower_path():
+    described = "jax (bf16, jnp twin on cpu)"
+    assert fallback.check_kernel_path("jax", "bf16", described, expect=("twin",)) == described
+    with pytest.raises(fallback.FallbackError):
+        fallback.check_kernel_path("jax", "bf16", described, expect=("pallas",))
+
+
+def test_llama_cpp_must_run_the_artifacts_own_type():
+    assert fallback.check_llama_cpp_type("scale4_gs32", "qwen3 0.6B Q4_0")
+    assert fallback.check_llama_cpp_type("affine4_gs32", "qwen3 0.6B Q4_1")
+    with pytest.raises(fallback.FallbackError, match="Q8_0"):
+        fallback.check_llama_cpp_type("q8_0", "qwen3 0.6B BF16")
+
+
+def test_a_kipp_arm_refuses_when_its_backend_falls_back(artifacts):
+    from bench.engines.kipp_engine import KippEngine
+
+    spec = ArmSpec("kipp", "bf16", TINY, backend="reference",
+                   artifact=str(artifacts(TINY, "bf16")), context=64)
+    engine = KippEngine(spec)
+    assert engine.load()["describe"].startswith("reference")
+    prompt = list(range(100, 116))
+    result = workloads.measure(workloads.get("decode").with_params(decode_tokens=3), engine, prompt)
+    assert result["tokens"] == 3 and result["value"] > 0 and len(result["generated"]) == 4
+    short_prefill = workloads.Workload("prefill32", "prefill", "test", {"prompt_tokens": 32})
+    assert workloads.measure(short_prefill, engine, list(range(32)))["value"] > 0
+    engine.model.backend.describe = lambda: "reference (numpy, bf16 weights, fallback path)"
+    with pytest.raises(fallback.FallbackError):
+        engine.recheck()
+
+
+# ---- workloads, sizing and interleaving -----------------------------------------------------
+
+def test_workload_registry_leaves_room_for_later_workloads():
+    assert {"decode", "prefill512", "prefill2048"} <= set(workloads.WORKLOADS)
+    decode = workloads.get("decode")
+    assert decode.params == {"prompt_tokens": 16, "decode_tokens": 128}
+    assert workloads.get("prefill2048").prompt_tokens == 2048
+    for planned in ("server_aggregate", "ttft_prefix"):
+        assert workloads.WORKLOADS[planned].planned
+        with pytest.raises(ValueError, match="later issue"):
+            workloads.get(planned)
+    with pytest.raises(ValueError, match="no parameter"):
+        decode.with_params(clients=4)
+
+
+def test_rounds_interleave_arms_a_b_a_b():
+    order = arms.interleave(["A", "B", "C"], {"A": 3, "B": 2, "C": 3})
+    assert order == [(0, "A"), (0, "B"), (0, "C"), (1, "A"), (1, "B"), (1, "C"),
+                     (2, "A"), (2, "C")]
+    assert arms.interleave([], {}) == []
+
+
+def test_per_arm_overrides():
+    kipp = ArmSpec("kipp", "q8_0", TINY, backend="reference")
+    llama = ArmSpec("llama_cpp", "q8_0", TINY)
+    assert kipp.name == "kipp-reference/q8_0" and llama.name == "llama.cpp/q8_0"
+    overrides = [arms.parse_override("kipp.decode_tokens=8"),
+                 arms.parse_override("kipp-reference.skip=prefill2048,prefill512"),
+                 arms.parse_override("llama.cpp/q8_0.runs=7")]
+    base = arms.Sizing(runs=3, warmup=1, decode_tokens=128)
+    assert arms.sizing_for(kipp, base, overrides) == arms.Sizing(
+        3, 1, 8, frozenset({"prefill2048", "prefill512"}))
+    assert arms.sizing_for(llama, base, overrides) == arms.Sizing(7, 1, 128)
+    one_workload = [arms.parse_override("kipp.runs=3"),
+                    arms.parse_override("kipp@prefill512.runs=1")]
+    assert arms.sizing_for(kipp, base, one_workload, "prefill512").runs == 1
+    assert arms.sizing_for(kipp, base, one_workload, "decode").runs == 3
+    with pytest.raises(ValueError):
+        arms.parse_override("kipp.threads=4")
+    with pytest.raises(ValueError):
+        arms.parse_override("kipp@.runs=4")
+    with pytest.raises(ValueError):
+        arms.Sizing(runs=0)
+
+
+# ---- provenance ----------------------------------------------------------------------------
+
+def test_provenance_fields_and_types():
+    p = provenance.collect()
+    assert isinstance(p["collected"], str)
+    git = p["git"]
+    assert isinstance(git["commit"], str) and len(git["commit"]) == 40
+    assert isinstance(git["dirty"], bool) and isinstance(git["changed_files"], list)
+    host = p["host"]
+    assert isinstance(host["cpu_model"], str) and host["cpu_model"]
+    assert isinstance(host["cpu_count"], int) and isinstance(host["usable_cores"], int)
+    assert isinstance(host["memory_bytes"], int) and host["memory_bytes"] > 2**28
+    assert isinstance(host["os"], str) and isinstance(p["python"]["version"], str)
+    assert isinstance(p["packages"]["kipp"], str) and isinstance(p["packages"]["numpy"], str)
+    assert isinstance(p["blas"], list) and isinstance(p["environment"], dict)
+    json.dumps(p)  # everything serialises
+
+
+# ---- ceiling -------------------------------------------------------------------------------
+
+def test_bytes_per_token_match_the_artifacts_tensors(artifacts):
+    from kipp import gguf
+
+    for scheme in ("bf16", "q8_0"):
+        file = gguf.read(artifacts(TINY, scheme))
+        streamed = ceiling.decode_bytes_per_token(TINY, scheme, context=10)
+        everything = sum(info.nbytes for info in file.tensors.values())
+        embedding = file.tensors["token_embd.weight"].nbytes
+        # tied: every tensor is read (the embedding as the output head) plus one embedding row
+        assert streamed["weights"] == everything + embedding // 151936
+        assert streamed["kv"] == 10 * 2 * 2 * 8 * 128 * 2
+    implied = ceiling.implied_decode(50.0, 10**9)
+    assert implied == pytest.approx(50.0)
+
+
+def test_bandwidth_measurement_is_positive_and_complete():
+    result = ceiling.measure_bandwidth(size_mb=8, runs=2, threads=1, kernels=("max_f32",))
+    assert result["gb_s"] > 0 and result["best_kernel"] == "max_f32"
+    assert len(result["kernels"]["max_f32"]["runs"]) == 2
+
+
+# ---- quality -------------------------------------------------------------------------------
+
+def test_perplexity_against_bf16_uses_multi_row_logits(models):
+    tokens = list(range(1000, 1007))
+    result = ppl.evaluate({"bf16": models(TINY, "bf16"), "q8_0": models(TINY, "q8_0")},
+                          tokens, window=3)
+    assert result["windows"] == 2  # 3 + 3 tokens, then a lone token with nothing to predict
+    bf16, q8 = result["schemes"]["bf16"], result["schemes"]["q8_0"]
+    assert bf16["tokens"] == q8["tokens"] == 2 + 2
+    assert "kl_mean" not in bf16
+    assert q8["kl_mean"] >= 0 and 0 <= q8["top1_agreement"] <= 1 and q8["logits_nmse"] < 2e-3
+    assert q8["ppl_ratio"] == pytest.approx(math.exp(q8["nll_change"]))
+
+
+def test_log_softmax_normalises():
+    import numpy as np
+
+    logp = ppl.log_softmax(np.array([[1.0, 2.0, 3.0], [1000.0, 0.0, -1000.0]]))
+    assert np.allclose(np.exp(logp).sum(-1), 1.0)
+
+
+# ---- records and the report ----------------------------------------------------------------
+
+def _arm(name, engine, scheme, values, backend=""):
+    spec = ArmSpec(engine, scheme, TINY, backend=backend)
+    assert spec.name == name
+    return {"arm": name, "engine": engine, "backend": backend, "scheme": scheme,
+            "spec": spec.to_json(), "python": sys.executable,
+            "sizing": {"runs": len(values), "warmup": 1, "decode_tokens": 8, "skip": []},
+            "status": "ok", "info": {"describe": name}, "params": {"prompt_tokens": 16,
+                                                                   "decode_tokens": 8},
+            "warmup_runs": [{"value": 1.0}], "runs": [{"value": v} for v in values],
+            "values": values, "summary": stats.summarize(values),
+            "peak_rss_bytes": 3 * 2**30, "rusage": None}
+
+
+def fixture_record():
+    arms_ = [_arm("kipp-reference/bf16", "kipp", "bf16", [2.0, 2.2, 1.8], "reference"),
+             _arm("llama.cpp/bf16", "llama_cpp", "bf16", [40.0, 44.0, 42.0]),
+             {"arm": "vllm/bf16", "engine": "vllm", "backend": "", "scheme": "bf16",
+              "spec": ArmSpec("vllm", "bf16", TINY).to_json(), "status": "unavailable",
+              "reason": "vllm not importable"}]
+    workload = workloads.get("decode").with_params(decode_tokens=128)
+    bandwidth = {"gb_s": 50.0, "mad": 1.0, "best_kernel": "max_f32", "threads": 2, "runs": []}
+    return records.new("throughput", "python -m bench run --runs 3",
+                       records.checkpoint_block(TINY), provenance.collect(),
+                       workload=runner._workload_json(workload),
+                       protocol={"order": ["kipp-reference/bf16", "llama.cpp/bf16"]}, arms=arms_,
+                       ceiling=ceiling.ceiling_block(bandwidth, TINY, ["bf16"], 80))
+
+
+def test_record_schema():
+    record = fixture_record()
+    assert records.validate(record) == []
+    name = records.file_name(record)
+    assert "decode" in name and name.startswith(record["created"][:10])
+    broken = json.loads(json.dumps(record))
+    del broken["provenance"]
+    broken["arms"][0]["values"] = [1.0]  # disagrees with its runs
+    broken["arms"][2]["values"] = [3.0]  # an unavailable arm with numbers
+    problems = records.validate(broken)
+    assert any("provenance" in p for p in problems)
+    assert any("disagree" in p for p in problems)
+    assert any("no measurements" in p for p in problems)
+    with pytest.raises(ValueError, match="invalid record"):
+        records.write(broken, Path("/nonexistent"))
+
+
+def test_report_from_a_fixture_record(tmp_path):
+    record = fixture_record()
+    path = records.write(record, tmp_path)
+    assert json.loads(path.read_text()) == record
+    readme = tmp_path / "README.md"
+    readme.write_text("# Results\n\nhand-written intro\n")
+    generated = report.main(tmp_path, readme, tmp_path / "throughput.png")
+    text = readme.read_text()
+    assert text.startswith("# Results\n\nhand-written intro") and report.BEGIN in text
+    assert "| kipp-reference | 2 ± 0.2 (n=3) |" in generated
+    assert "| llama.cpp | 42 ± 2 (n=3) |" in generated
+    assert "unavailable [1]" in generated and "[1] vllm/bf16: unavailable" in generated
+    assert "| kipp-reference/bf16 | llama.cpp/bf16 | 0.0476 | behind by 21x |" in generated
+    assert "bandwidth ceiling (50 GB/s)" in generated
+    assert "### prefill512\n\nNot yet measured." in generated
+    report.main(tmp_path, readme, tmp_path / "throughput.png")  # idempotent: one block
+    assert readme.read_text().count(report.BEGIN) == 1
+    if _has_matplotlib():
+        assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- the runner end to end (worker processes, tiny checkpoint) -----------------------------
+
+@pytest.fixture
+def tiny_home(tmp_path, monkeypatch, artifacts):
+    """A KIPP_HOME whose store paths point at the session's tiny artifacts."""
+    from kipp import store
+
+    monkeypatch.setenv("KIPP_HOME", str(tmp_path / "home"))
+    for scheme in ("bf16",):
+        target = store.artifact_path(TINY, scheme)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(artifacts(TINY, scheme))
+    return tmp_path
+
+
+def _config(home, **kw):
+    base = dict(checkpoint=TINY, engines=["kipp"], schemes=["bf16"], workloads=["decode"],
+                sizing=arms.Sizing(runs=2, warmup=1, decode_tokens=2), threads=1,
+                results=home / "results", logs=home / "logs", ceiling=False, timeout=120,
+                command="python -m bench run (test)")
+    base.update(kw)
+    return runner.RunConfig(**base)
+
+
+def test_runner_records_interleaved_runs_with_peak_rss(tiny_home):
+    [path] = runner.run(_config(tiny_home))
+    record = json.loads(path.read_text())
+    assert records.validate(record) == []
+    [arm] = record["arms"]
+    assert arm["status"] == "ok" and len(arm["values"]) == 2 and len(arm["warmup_runs"]) == 1
+    assert arm["params"]["decode_tokens"] == 2 and arm["info"]["describe"].startswith("reference")
+    assert arm["peak_rss_bytes"] > 10 * 2**20
+    assert record["protocol"]["order"] == ["kipp-reference/bf16 (warm-up)",
+                                           "kipp-reference/bf16", "kipp-reference/bf16"]
+    assert runner.exit_status([path]) == 0
+
+
+def test_runner_refuses_to_record_a_fallback(tiny_home):
+    config = _config(tiny_home, expect_paths={"reference": ("metal",)})
+    [path] = runner.run(config)
+    [arm] = json.loads(path.read_text())["arms"]
+    assert arm["status"] == "refused" and "metal" in arm["reason"]
+    assert "values" not in arm and "summary" not in arm
+    assert runner.exit_status([path]) == 3
+
+
+def test_runner_reports_missing_artifacts_as_unavailable(tiny_home):
+    [path] = runner.run(_config(tiny_home, schemes=["q8_0"]))
+    [arm] = json.loads(path.read_text())["arms"]
+    assert arm["status"] == "unavailable" and "bench prepare" in arm["reason"]
+
+
+def test_a_peers_own_fallback_is_recorded_from_its_log(tmp_path):
+    log = tmp_path / "arm.log"
+    log.write_text("loading\nWARNING Failed to create oneDNN linear, fallback to torch linear.\n"
+                   "ok\nfalling back to the slow path\n")
+    assert runner.fallback_lines(log) == [
+        "WARNING Failed to create oneDNN linear, fallback to torch linear.",
+        "falling back to the slow path"]
+    assert runner.fallback_lines(tmp_path / "missing.log") == []
+
+
+def test_the_campaign_is_four_explicit_commands(tmp_path, monkeypatch):
+    import bench.__main__ as cli
+
+    steps = []
+    monkeypatch.setattr(cli, "main", lambda argv: steps.append(argv) or 0)
+    args = cli._parser().parse_args(["campaign", "--checkpoint", TINY, "--results", str(tmp_path),
+                                     "--with", "vllm", "--python", "vllm=/x/python"])
+    assert cli.cmd_campaign(args) == 0
+    assert [s[0] for s in steps] == ["run", "ppl", "interop", "report"]
+    for step in steps:
+        cli._parser().parse_args(step)  # every step is a valid command line
+    run = steps[0]
+    assert run[run.index("--checkpoint") + 1] == TINY and "kipp.skip=prefill2048" in run
+    assert run[run.index("--python") + 1] == "vllm=/x/python"
+    assert steps[3] == ["report", "--results", str(tmp_path)]
+    readme = (REPO / "bench" / "README.md").read_text()
+    for flag in cli.CAMPAIGN_RUN[1:] + cli.CAMPAIGN_PPL[1:]:
+        assert flag in readme  # the page shows the commands the campaign really runs
