@@ -33,6 +33,7 @@ from kipp.session import Session, SessionError
 from kipp.tokenizer import StreamingDetokenizer, Tokenizer
 
 BACKENDS = ("reference", "mlx", "jax")
+JAX_DEFAULT_KV_TOKENS = 8192
 
 
 class GenerationError(KippError, ValueError):
@@ -57,17 +58,26 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
 def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose: bool):
     if name not in BACKENDS + ("auto",):
         raise KippError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
-    tokens = artifact.entry.context_length if kv_tokens is None else kv_tokens
-    if not BLOCK_SIZE <= tokens:
+    chosen, why = _choose_backend(name)
+    context = artifact.entry.context_length
+    # The reference pages its slab in lazily; the JAX slab is allocated up front, so it gets a
+    # smaller default (4.7 GB at 0.6B for the whole 40,960-token context).
+    default = context if chosen == "reference" else min(context, JAX_DEFAULT_KV_TOKENS)
+    tokens = default if kv_tokens is None else kv_tokens
+    if tokens < BLOCK_SIZE:
         raise KippError(f"kv_tokens {tokens} is below one {BLOCK_SIZE}-token block")
     num_blocks = -(-tokens // BLOCK_SIZE)
-    chosen, why = _choose_backend(name)
-    if chosen != "reference":
-        raise KippError(f"the {chosen} backend is not part of this Kipp build yet; "
-                        f"use backend='reference'")
-    from kipp.reference.backend import ReferenceBackend
+    if chosen == "mlx":
+        raise KippError("the mlx backend is not part of this Kipp build yet; use 'reference' "
+                        "or 'jax'")
+    if chosen == "jax":
+        from kipp.cuda.backend import make_backend
 
-    backend = ReferenceBackend(artifact, num_blocks)
+        backend = make_backend(artifact, num_blocks)
+    else:
+        from kipp.reference.backend import ReferenceBackend
+
+        backend = ReferenceBackend(artifact, num_blocks)
     if verbose:
         print(f"kipp: backend {backend.describe()} ({why})", file=sys.stderr)
     return backend
@@ -76,9 +86,13 @@ def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose:
 def _choose_backend(name: str) -> tuple[str, str]:
     if name != "auto":
         return name, "requested"
+    from kipp.cuda import jax_sees_gpu
+
+    if jax_sees_gpu():
+        return "jax", "auto: JAX sees a GPU"
     if sys.platform == "darwin" and platform.machine() == "arm64":
         return "reference", "auto: Apple silicon, but the MLX backend is not built yet"
-    return "reference", "auto: no accelerated backend in this build"
+    return "reference", "auto: no GPU for JAX and no MLX backend in this build"
 
 
 @dataclass

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# JaxBackend on a lent GPU (an H200), in one call of under 8 minutes:
+#   1. the Pallas kernel tests compiled (no interpret mode),
+#   2. the whole-model gates vs the reference backend (kernels; then the twins, KIPP_JAX_TWINS=1),
+#   3. a decode/prefill benchmark at the Qwen3-0.6B shape (synthetic weights, BF16 and q8_0),
+# and a short table last. It installs nothing: it runs this tree with the machine's python3
+# (JAX 0.11 with CUDA, numpy, ml_dtypes, safetensors, transformers, pytest are in its image).
+#
+#   bash bench/device_check.sh            # from the repository root, on the GPU machine
+#
+# Every stage has its own time limit, so one that hangs or fails still leaves the others and
+# the table. Logs and JSON rows go to $OUT (the device tool's folder) or /tmp/kipp-device-check.
+# Targets (issue 6): decode >= 60% of the HBM roofline single-stream (BF16), and batched
+# aggregate decode >= 6x from 1 to 8 sequences.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KIPP_HOME="${KIPP_HOME:-/tmp/kipp-home}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # leave room for the reference's numpy side
+LOGS="${OUT:-/tmp/kipp-device-check}"
+PY="${PYTHON:-python3}"
+CHECKPOINT=kipp-synthetic/qwen3-0.6b-shape
+mkdir -p "$LOGS" "$KIPP_HOME"
+rm -f "$LOGS/bench.jsonl"
+START=$(date +%s)
+RESULTS=()
+
+stage() {  # stage NAME SECONDS command...: run with a limit, log, record PASS/FAIL
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s, t=$(( $(date +%s) - START ))s)"
+  local began=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
+  local code=$?
+  local took=$(( $(date +%s) - began ))
+  if [ $code -eq 0 ]; then RESULTS+=("$name|PASS|${took}s")
+  else RESULTS+=("$name|FAIL (exit $code)|${took}s"); fi
+}
+
+# Limits add up to 470 s: run with the device tool's timeout_s of about 540.
+stage env 20 bash -c "nvidia-smi -L; $PY -c 'import jax; print(jax.__version__, jax.devices())'"
+
+stage kernel-tests 80 env KIPP_PALLAS_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_jax_kernels.py
+
+stage gates-kernels 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_backend.py \
+  -k "matches_reference or scrambled or batched or recompile or selection"
+
+stage gates-twins 30 env KIPP_JAX_TWINS=1 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_jax_backend.py -k "test_jax_matches_reference and (bf16 or q8_0)"
+
+artifact() {  # the artifact path of $CHECKPOINT in scheme $1
+  "$PY" -c "from kipp.store import artifact_path as p; print(p('$CHECKPOINT', '$1'))"
+}
+BENCH=(-m kipp.cuda.bench --prompt 256 --decode 48 --kv-tokens 8192 --json "$LOGS/bench.jsonl")
+
+stage prepare-bf16 60 "$PY" -m kipp.cli prepare "$CHECKPOINT" --scheme bf16
+stage bench-bf16 80 "$PY" "${BENCH[@]}" "$(artifact bf16)" --batch 1,8
+stage prepare-q8_0 40 "$PY" -m kipp.cli prepare "$CHECKPOINT" --scheme q8_0
+stage bench-q8_0 40 "$PY" "${BENCH[@]}" "$(artifact q8_0)" --batch 1
+stage bench-bf16-twins 30 env KIPP_JAX_TWINS=1 "$PY" "${BENCH[@]}" "$(artifact bf16)" --batch 1
+
+echo
+echo "== summary (total $(( $(date +%s) - START ))s)"
+printf '%-18s %-16s %s\n' stage result time
+for row in "${RESULTS[@]}"; do
+  IFS='|' read -r a b c <<< "$row"
+  printf '%-18s %-16s %s\n' "$a" "$b" "$c"
+done
+"$PY" - "$LOGS/bench.jsonl" <<'EOF'
+import json, os, sys
+rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+print(f"\n{'scheme':8} {'path':24} {'batch':>5} {'prefill tok/s':>13} {'decode tok/s':>12} "
+      f"{'step ms':>8} {'roof ms':>8} {'% roof':>6} {'GB/s':>6}")
+single = {}
+for r in rows:
+    path = r["backend"].split("(", 1)[1].split(" on ")[0]
+    roof_ms = r.get("roofline_ms", float("nan"))
+    print(f"{r['scheme']:8} {path[:24]:24} {r['batch']:5d} {r['prefill_tok_s']:13.0f} "
+          f"{r['decode_tok_s']:12.1f} {r['decode_step_ms']:8.3f} {roof_ms:8.3f} "
+          f"{100 * roof_ms / r['decode_step_ms']:6.1f} {r['bandwidth_gb_s']:6.0f}")
+    key = (r["scheme"], path)
+    if r["batch"] == 1:
+        single[key] = r["decode_tok_s"]
+    elif key in single:
+        scaling = r["decode_tok_s"] / single[key]
+        print(f"{'':8} {'batched scaling':24} {r['batch']:5d} x{scaling:.2f} aggregate vs 1 "
+              f"sequence (target >= 6x at 8)")
+print("targets: decode >= 60% of roofline single-stream (BF16); batched >= 6x from 1 to 8")
+EOF

@@ -1,0 +1,219 @@
+"""Decode and prefill speed of JaxBackend (and optionally the reference backend) on one artifact.
+
+    python -m kipp.cuda.bench ARTIFACT [--prompt 128] [--decode 32] [--batch 1,8] [--reference]
+    python -m kipp.cuda.bench --layouts        # the CPU weight-layout measurement (layout.py)
+
+Reports per configuration: compile seconds, prefill tok/s, decode tok/s (aggregate over the
+batch), and the decode roofline: the bytes one decode step streams (the layer weights and the
+output head, plus the KV read) over a memory bandwidth measured in the same process (a jitted
+reduction over a large array on the same device). Timings are medians of the timed steps after
+a warm-up that compiles every bucket the timed steps use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kipp.artifact import open_artifact
+from kipp.backend import EvalItem
+from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
+
+
+def memory_bandwidth(device=None, megabytes: int = 512) -> float:
+    """Bytes per second a jitted sum reads from a large float32 array on `device` (the best of
+    seven runs: the roofline is what the memory can do, not what a noisy run got)."""
+    device = device or jax.devices()[0]
+    x = jax.device_put(jnp.ones(megabytes * (1 << 20) // 4, jnp.float32), device)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / min(times)
+
+
+def decode_bytes(backend, context: int, batch: int = 1) -> int:
+    """Bytes a decode step streams: every layer weight and the head once, KV per sequence."""
+    params = backend.params
+    layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"]))
+    head = params["head"] if params["head"] is not None else params["embed"]
+    kv = backend.entry.layers * 2 * context * KV_HEADS * HEAD_DIM * 2
+    return layers + head.nbytes + batch * kv
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_prefill(backend, prompt: int, repeats: int = 3) -> dict:
+    tokens = tuple(int(t) for t in np.random.default_rng(0).integers(0, 151_643, prompt))
+    table = tuple(range(-(-prompt // KV_BLOCK)))
+    backend.eval([EvalItem(tokens, 0, table)])  # compiles
+    times = _timed(lambda: backend.eval([EvalItem(tokens, 0, table)]), repeats)
+    return {"prefill_tokens": prompt, "prefill_tok_s": prompt / statistics.median(times),
+            "prefill_s": times}
+
+
+def bench_decode(backend, prompt: int, steps: int, batch: int) -> dict:
+    """`batch` sequences of `prompt` tokens, then `steps` decode tokens each, batched."""
+    blocks = -(-(prompt + steps + 2) // KV_BLOCK)
+    tables = [tuple(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
+    rng = np.random.default_rng(1)
+    prompts = [tuple(int(t) for t in rng.integers(0, 151_643, prompt)) for _ in range(batch)]
+    backend.eval([EvalItem(p, 0, t) for p, t in zip(prompts, tables)])
+    # warm-up: compile the decode buckets of the first and the last timed position (writing
+    # a slot ahead is harmless: earlier positions never see it, and it is rewritten in turn)
+    backend.eval([EvalItem((1,), prompt + steps, t) for t in tables])
+    backend.eval([EvalItem((1,), prompt, t) for t in tables])
+    position = prompt + 1
+    times = []
+    for _ in range(steps):
+        items = [EvalItem((1,), position, t) for t in tables]
+        start = time.perf_counter()
+        backend.eval(items)
+        times.append(time.perf_counter() - start)
+        position += 1
+    step = statistics.median(times)
+    spread = statistics.median(abs(t - step) for t in times)
+    return {"batch": batch, "decode_steps": steps, "decode_step_ms": step * 1e3,
+            "decode_mad_ms": spread * 1e3, "decode_tok_s": batch / step,
+            "context": position}
+
+
+def run(path, prompt: int, decode: int, batches: list[int], reference: bool, kv_tokens: int,
+        jax_path: str, weight_layout: str) -> list[dict]:
+    from kipp.cuda.backend import JaxBackend
+
+    artifact = open_artifact(path)
+    blocks = -(-kv_tokens // KV_BLOCK)
+    start = time.perf_counter()
+    backend = JaxBackend(artifact, blocks, path=jax_path, weight_layout=weight_layout)
+    load = time.perf_counter() - start
+    bandwidth = memory_bandwidth(backend.device)
+    rows = []
+    base = {"model": artifact.entry.id, "scheme": artifact.scheme.name,
+            "backend": backend.describe(), "device": str(backend.device),
+            "jax": jax.__version__, "load_s": load, "bandwidth_gb_s": bandwidth / 1e9}
+    prefill = bench_prefill(backend, prompt)
+    for batch in batches:
+        result = dict(base, **prefill, **bench_decode(backend, prompt, decode, batch))
+        streamed = decode_bytes(backend, result["context"], batch)
+        result["decode_bytes"] = streamed
+        result["roofline_ms"] = streamed / bandwidth * 1e3
+        result["roofline_ratio"] = result["decode_step_ms"] / result["roofline_ms"]
+        rows.append(result)
+    rows[0]["compile_s"] = [(str(b), round(s, 2)) for b, s in backend.compile_log]
+    if reference:
+        rows.append(_reference_row(artifact, base, min(prompt, 32), min(decode, 4)))
+    return rows
+
+
+def _reference_row(artifact, base: dict, prompt: int, decode: int) -> dict:
+    from kipp.reference.backend import ReferenceBackend
+
+    ref = ReferenceBackend(artifact, -(-(prompt + decode + 2) // KV_BLOCK))
+    result = dict(base, backend=ref.describe(), compile_s=[])
+    result.update(bench_prefill(ref, prompt, repeats=1))
+    result.update(bench_decode(ref, prompt, decode, 1))
+    return result
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'model':34} {'scheme':13} {'backend':30} {'batch':>5} {'prefill tok/s':>13} "
+             f"{'decode tok/s':>12} {'step ms':>8} {'roofline ms':>11} {'x roof':>6}"]
+    for r in rows:
+        roof = r.get("roofline_ms")
+        lines.append(
+            f"{r['model']:34} {r['scheme']:13} {r['backend'][:30]:30} {r['batch']:5d} "
+            f"{r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} {r['decode_step_ms']:8.2f} "
+            f"{roof if roof is not None else float('nan'):11.2f} "
+            f"{r.get('roofline_ratio', float('nan')):6.2f}")
+    return "\n".join(lines)
+
+
+def layouts(m_values=(1, 8, 64), rows: int = 3072, cols: int = 1024, layers: int = 8) -> str:
+    """Weights/s of XLA dots per weight layout on this device (the layout.py measurement)."""
+    rng = np.random.default_rng(0)
+    groups = cols // 32
+    shapes = {
+        "f32": lambda: jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32),
+        "bf16": lambda: jnp.asarray(rng.standard_normal((rows, cols)), jnp.bfloat16),
+        "q8_0": lambda: (jnp.asarray(rng.integers(-127, 127, (rows, groups, 32)), jnp.int8),
+                         jnp.asarray(rng.random((rows, groups)), jnp.float16)),
+        "scale4": lambda: (jnp.asarray(rng.integers(0, 255, (rows, groups, 16)), jnp.uint8),
+                           jnp.asarray(rng.random((rows, groups)), jnp.float16)),
+    }
+    from kipp.cuda.layout import Linear
+    from kipp.cuda.quant_matmul import quant_matmul_reference
+
+    def make(kind):
+        value = shapes[kind]()
+        if kind in ("f32", "bf16"):
+            return Linear(value, fmt=kind)
+        return Linear(value[0], value[1], fmt="q8_0" if kind == "q8_0" else "scale4_gs32")
+
+    lines = [f"XLA dots on {jax.devices()[0].platform}, {layers} x [{rows}, {cols}] weights, "
+             f"G weights/s (median of 5)"]
+    for kind in shapes:
+        weights = [make(kind) for _ in range(layers)]
+        fn = jax.jit(lambda x, ws: [quant_matmul_reference(x, w) for w in ws])
+        rates = []
+        for m in m_values:
+            x = jnp.asarray(rng.standard_normal((m, cols)), jnp.float32)
+            jax.block_until_ready(fn(x, weights))
+            t = statistics.median(_timed(lambda: jax.block_until_ready(fn(x, weights)), 5))
+            rates.append(f"M={m}: {layers * rows * cols / t / 1e9:6.2f}")
+        lines.append(f"  {kind:7} " + "  ".join(rates))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", nargs="?")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    parser.add_argument("--kv-tokens", type=int, default=4096)
+    parser.add_argument("--path", default="auto", help="auto, kernels, twins")
+    parser.add_argument("--layout", default="auto", help="auto, f32, device")
+    parser.add_argument("--reference", action="store_true", help="also time the reference")
+    parser.add_argument("--json", help="append result rows to this JSON-lines file")
+    parser.add_argument("--layouts", action="store_true", help="the weight-layout measurement")
+    args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    if args.layouts:
+        print(layouts())
+        return 0
+    if not args.artifact:
+        parser.error("an artifact path is needed (or --layouts)")
+    rows = run(args.artifact, args.prompt, args.decode, [int(b) for b in args.batch.split(",")],
+               args.reference, args.kv_tokens, args.path, args.layout)
+    if args.json:
+        with open(args.json, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    print(format_table(rows))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

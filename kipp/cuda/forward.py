@@ -1,0 +1,113 @@
+"""Qwen3's forward pass as one jitted step over a packed round, in jax.numpy.
+
+The same nine steps as kipp.reference (DESIGN.md's order), on float32 activations:
+(1) RMSNorm; (2) Q, K, V projections; (3) per-head RMSNorm on Q and K; (4) RoPE; (5) store this
+round's K and V in the slab (rounded to BF16), then causal GQA over the paged slab; (6) output
+projection and residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the
+final RMSNorm and the output head for the requested rows only.
+
+`Ops` decides how projections and attention run: Pallas kernels (GPU, or interpret mode in
+tests) or their jax.numpy twins. The KV slab is a tuple of per-layer (K, V) buffers, each
+`[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU, whose BF16 scatter widens the
+whole buffer to float32 and back), donated to the step so XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from kipp.cuda import decode_attention as decode_mod
+from kipp.cuda import prefill_attention as prefill_mod
+from kipp.cuda import quant_matmul as matmul_mod
+from kipp.cuda.layout import Linear, round_bf16, widen_bf16
+from kipp.cuda.rounds import RoundArrays
+from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS, RMS_NORM_EPS
+
+
+@dataclass(frozen=True)
+class Ops:
+    """How the step runs its projections and attention (hashable: part of the program key)."""
+
+    kernels: bool = False  # Pallas kernels instead of the jax.numpy twins
+    interpret: bool = False  # run the kernels in Pallas interpret mode (CPU tests)
+
+    def linear(self, x: jax.Array, w: Linear, head: bool = False) -> jax.Array:
+        # Interpret mode pays per program: the 151,936-row head would take minutes, so there
+        # it runs its twin (the BF16 kernel is checked on its own in the kernel tests).
+        if self.kernels and not (head and self.interpret):
+            return matmul_mod.quant_matmul(x, w, interpret=self.interpret)
+        return matmul_mod.quant_matmul_reference(x, w)
+
+    def attention(self, q, k_cache, v_cache, r: RoundArrays) -> jax.Array:
+        """q [S, Tq, H, 128] -> [S, Tq, H, 128] over the paged slab."""
+        if not self.kernels:
+            return prefill_mod.paged_attention_reference(q, k_cache, v_cache, r.query_pos,
+                                                         r.block_tables)
+        if q.shape[1] == 1:  # a decode-only round
+            out = decode_mod.decode_attention(q[:, 0], k_cache, v_cache, r.query_pos[:, 0] + 1,
+                                              r.block_tables, interpret=self.interpret)
+            return out[:, None]
+        return prefill_mod.prefill_attention(q, k_cache, v_cache, r.query_pos, r.block_tables,
+                                             interpret=self.interpret)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * (1.0 / jnp.sqrt(mean_square + jnp.float32(RMS_NORM_EPS))) * weight
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, 128]; cos, sin [T, 128]: rotate-half (NEOX) pairs (i, i + 64)."""
+    half = HEAD_DIM // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
+    """One round: (logits [R, vocab] float32, the updated KV slab)."""
+    x = widen_bf16(params["embed"][r.tokens])  # [T, hidden]
+    cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
+    new_kv = []
+    for layer, (k_cache, v_cache) in zip(params["layers"], kv):
+        x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops)
+        new_kv.append((k_cache, v_cache))
+    h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
+    head = params["head"] if params["head"] is not None else params["embed"]
+    fmt = "bf16" if head.dtype == jnp.bfloat16 else "f32"
+    return ops.linear(h, Linear(head, fmt=fmt), head=True), tuple(new_kv)
+
+
+def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops):
+    t = x.shape[0]
+    h = rms_norm(x, p["attn_norm"])                                        # (1)
+    q = ops.linear(h, p["q"]).reshape(t, -1, HEAD_DIM)                      # (2) [T, H, 128]
+    k = ops.linear(h, p["k"]).reshape(t, KV_HEADS, HEAD_DIM)                #     [T, 8, 128]
+    v = ops.linear(h, p["v"]).reshape(t, KV_HEADS, HEAD_DIM)
+    q = apply_rope(rms_norm(q, p["q_norm"]), cos, sin)                      # (3), (4)
+    k = apply_rope(rms_norm(k, p["k_norm"]), cos, sin)
+    k_cache = _store(k_cache, k, r.slots)                                   # (5)
+    v_cache = _store(v_cache, v, r.slots)
+    grouped = q[r.query_index]                                              # [S, Tq, H, 128]
+    attn = ops.attention(grouped, k_cache, v_cache, r)
+    attn = attn.reshape(-1, q.shape[1] * HEAD_DIM)[r.token_query]           # [T, H * 128]
+    x = x + ops.linear(attn, p["o"])                                        # (6)
+    h = rms_norm(x, p["ffn_norm"])                                          # (7)
+    ffn = _silu(ops.linear(h, p["gate"])) * ops.linear(h, p["up"])         # (8)
+    return x + ops.linear(ffn, p["down"]), k_cache, v_cache                 # (9)
+
+
+def _silu(x: jax.Array) -> jax.Array:
+    return x / (1.0 + jnp.exp(-x))
+
+
+def _store(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Write rows [T, 8, 128] (rounded to BF16) at slab rows `slots`; out-of-range: dropped.
+
+    Indexed as (block, offset): scattering into a flattened view makes XLA's CPU copy the
+    whole donated buffer (measured: seconds per step on a large slab), this form stays in place.
+    """
+    return cache.at[slots // KV_BLOCK, slots % KV_BLOCK].set(round_bf16(new, cache.dtype),
+                                                             mode="drop")

@@ -1,0 +1,120 @@
+"""Causal grouped-query attention of a round's queries over the paged KV slab (prefill chunks,
+and the general case of any number of queries per sequence).
+
+Queries come grouped by sequence, `q [S, Tq, H, 128]`, each with its position (`query_pos`,
+-1 for padding); keys and values are read from one layer's slab `[blocks, 32, 8, 128]` through
+each sequence's block table, position p at `block_tables[s, p // 32] * 32 + p % 32`. A query
+at position p sees positions 0..p of its own sequence, which the step has already written to
+the slab for this round's tokens (the reference backend's order: store K/V, then attend).
+
+Kernel: Pallas, Triton lowering (the choice and why: kipp.cuda.quant_matmul's docstring). One
+program per (sequence, KV head, tile of `block_q` queries); it walks the sequence's KV blocks up
+to its last query's position with an online softmax (flash attention), loading each 32-position
+block's K and V tile through the block table. The group of query heads sharing the KV head is
+folded into the query tile (rows = queries x group), so each KV tile is read once per group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kipp.cuda.layout import widen_bf16
+from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
+
+HIGHEST = jax.lax.Precision.HIGHEST
+SCALE = HEAD_DIM ** -0.5
+MASKED = -1e30  # a finite "minus infinity": fully masked padding rows stay finite
+
+
+def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
+                    pos_ref,  # [1, bq] int32: positions of this tile's queries (-1: padding)
+                    q_ref,  # [1, bq, 1, g, 128] float32
+                    k_ref,  # [blocks, 32, 8, 128] bf16: one layer's K slab
+                    v_ref,  # [blocks, 32, 8, 128] bf16
+                    o_ref,  # [1, bq, 1, g, 128] float32
+                    ):
+    s, h = pl.program_id(0), pl.program_id(1)
+    bq, g = q_ref.shape[1], q_ref.shape[3]
+    rows = bq * g
+    q = q_ref[0, :, 0, :, :].reshape(rows, HEAD_DIM)  # [rows, 128]
+    pos = jnp.broadcast_to(pos_ref[0, :][:, None], (bq, g)).reshape(rows, 1)  # [rows, 1]
+    last = jnp.max(pos_ref[0, :])
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (1, KV_BLOCK), 1)  # [1, 32]
+
+    def block(j, carry):
+        acc, m, l = carry
+        bid = tables_ref[s, j]
+        k = widen_bf16(k_ref[bid, :, h, :])  # [32, 128]
+        v = widen_bf16(v_ref[bid, :, h, :])
+        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * SCALE
+        scores = jnp.where(j * KV_BLOCK + offsets <= pos, scores, MASKED)  # [rows, 32]
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+        p = jnp.exp(scores - m_new)
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha + jnp.dot(p, v, precision=HIGHEST)
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
+
+    init = (jnp.zeros((rows, HEAD_DIM), jnp.float32), jnp.full((rows, 1), MASKED, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
+    # blocks covering positions 0..last (none for an all-padding tile, last = -1)
+    acc, _, l = jax.lax.fori_loop(0, jax.lax.div(last + KV_BLOCK, KV_BLOCK), block, init)
+    out = acc / jnp.maximum(l, 1e-30)
+    o_ref[0, :, 0, :, :] = out.reshape(bq, g, HEAD_DIM)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_q"))
+def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                      query_pos: jax.Array, block_tables: jax.Array, *,
+                      interpret: bool = False, block_q: int = 16) -> jax.Array:
+    """q [S, Tq, H, 128] f32 -> [S, Tq, H, 128] f32 over the paged slab (module docstring)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    s, tq, h, d = q.shape
+    g = h // KV_HEADS
+    gp = pl.next_power_of_2(g)  # Triton tiles are powers of two: pad the group
+    # Triton's dot needs >= 16 rows (queries x group) per tile.
+    bq = max(min(block_q, pl.next_power_of_2(tq)), 16 // min(gp, 16))
+    tq_pad = pl.cdiv(tq, bq) * bq
+    qg = q.reshape(s, tq, KV_HEADS, g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, tq_pad - tq), (0, 0), (0, gp - g), (0, 0)))
+    pos = jnp.pad(query_pos, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
+    tile = pl.BlockSpec((1, bq, 1, gp, d), lambda i, j, t: (i, t, j, 0, 0))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, t: (0,) * a.ndim)  # noqa: E731
+    out = pl.pallas_call(
+        _prefill_kernel,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, jnp.float32),
+        grid=(s, KV_HEADS, tq_pad // bq),
+        in_specs=[whole(block_tables), pl.BlockSpec((1, bq), lambda i, j, t: (i, t)), tile,
+                  whole(k_cache), whole(v_cache)],
+        out_specs=tile,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="kipp_prefill_attention",
+    )(block_tables, pos, qg, k_cache, v_cache)
+    return out[:, :tq, :, :g].reshape(s, tq, h, d)
+
+
+def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                              query_pos: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """The jax.numpy twin: gather each sequence's blocks, mask causally, softmax, weigh V.
+
+    q [S, Tq, H, 128] f32; caches [blocks, 32, 8, 128] BF16 (or its uint16 bits);
+    query_pos [S, Tq] (-1: padding); block_tables [S, B] -> [S, Tq, H, 128] f32.
+    """
+    s, tq, h, d = q.shape
+    positions = block_tables.shape[1] * KV_BLOCK
+    keys = widen_bf16(k_cache[block_tables]).reshape(s, positions, KV_HEADS, d)
+    values = widen_bf16(v_cache[block_tables]).reshape(s, positions, KV_HEADS, d)
+    qg = q.reshape(s, tq, KV_HEADS, h // KV_HEADS, d)
+    scores = jnp.einsum("sqkgd,spkd->skgqp", qg, keys, precision=HIGHEST) * jnp.float32(SCALE)
+    visible = jnp.arange(positions)[None, None, :] <= query_pos[:, :, None]  # [S, Tq, P]
+    scores = jnp.where(visible[:, None, None], scores, MASKED)
+    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("skgqp,spkd->sqkgd", weights, values, precision=HIGHEST)
+    return out.reshape(s, tq, h, d)

@@ -1,0 +1,177 @@
+"""y = x @ W^T with W in any prepared layout (float32, BF16, q8_0, scale4_gs32, affine4_gs32),
+dequantizing inside the kernel: the weights cross memory packed, exactly as stored.
+
+Lowering: Pallas' Triton backend, selected explicitly with `pltriton.CompilerParams` (since JAX
+0.10 a bare pallas_call on GPU goes to Mosaic GPU). Why Triton, deliberately: these kernels are
+block-level array programs (load a tile, widen it, dot, reduce) that Triton's lowering
+schedules, pipelines and lays out by itself on every NVIDIA GPU since Ampere, and it is still
+shipped (deprecated, not removed) in JAX 0.11, the GPU machine's version. Mosaic GPU would need
+explicit warpgroup/TMA/barrier programming for Hopper only, its API changes from release to
+release (pallas_call itself is deprecated for it), and none of that can be validated without a
+GPU; interpret mode checks the same kernel semantics on a CPU for either lowering. When Triton
+is removed, these kernel bodies port to Mosaic GPU's `plgpu.kernel`; until then, if a kernel
+fails to compile, JaxBackend logs a warning and runs the jax.numpy twins (kipp.cuda.backend).
+The tests lower every kernel for CUDA on a CPU (jax.export), which runs Pallas' Triton
+lowering end to end; only Triton's own compile to PTX, and running it, need the GPU.
+
+Dequantization matches kipp.quant bit for bit (d and m are the file's fp16 values, widened
+exactly; q8_0 and scale4 are one exact float32 multiply, affine4 an exact multiply and one
+rounded add). Dots run in IEEE float32 (precision HIGHEST: Triton's default would be TF32).
+One kernel body, two inner products: a tile dot for M > 4 rows, and a multiply-reduce for the
+few rows of a decode round, where Triton's dot (16-row minimum) would pad. The grid is (row
+tiles, column tiles, K splits): when the first two give few programs (a decode matvec), K is
+split so the GPU has enough programs in flight to stream the weights at full bandwidth, and
+the partial sums are added by XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kipp.cuda.layout import Linear
+from kipp.quant import BLOCK
+
+HIGHEST = jax.lax.Precision.HIGHEST
+MATVEC_ROWS = 4  # up to this many rows use the multiply-reduce kernel
+TARGET_PROGRAMS = 512  # split K until the grid has about this many programs (~4 per H200 SM)
+
+
+def _widen_tile(w_ref, d_ref, m_ref, g0, groups: int, fmt: str):
+    """The weight tile for groups [g0, g0 + groups) as float32 pieces, each [bn, width], with
+    the x-columns each piece multiplies: a list of (tile, half) where half is None (all 32
+    columns of each group) or 0 / 1 (the low / high 16 of each group, for nibble formats)."""
+    if fmt in ("f32", "bf16"):
+        tile = w_ref[:, pl.ds(g0 * BLOCK, groups * BLOCK)]  # [bn, bk]
+        return [(tile.astype(jnp.float32), None)]
+    d = d_ref[:, pl.ds(g0, groups)].astype(jnp.float32)[:, :, None]  # [bn, groups, 1]
+    bn = d.shape[0]
+    if fmt == "q8_0":
+        q = w_ref[:, pl.ds(g0, groups), :].astype(jnp.float32)  # [bn, groups, 32]
+        return [((q * d).reshape(bn, groups * BLOCK), None)]
+    nibbles = w_ref[:, pl.ds(g0, groups), :]  # [bn, groups, 16] uint8
+    pieces = []
+    for half, q in ((0, nibbles & 15), (1, nibbles >> 4)):
+        q = q.astype(jnp.float32)
+        if fmt == "scale4_gs32":
+            w = d * (q - 8.0)
+        else:
+            w = d * q + m_ref[:, pl.ds(g0, groups)].astype(jnp.float32)[:, :, None]
+        pieces.append((w.reshape(bn, groups * 16), half))
+    return pieces
+
+
+def _x_piece(x_ref, g0, groups: int, half):
+    """x columns matching a weight piece: x_ref [bm, K/32, 32] -> [bm, width]."""
+    if half is None:
+        tile = x_ref[:, pl.ds(g0, groups), :]  # [bm, groups, 32]
+        return tile.reshape(tile.shape[0], groups * BLOCK)
+    tile = x_ref[:, pl.ds(g0, groups), pl.ds(half * 16, 16)]  # [bm, groups, 16]
+    return tile.reshape(tile.shape[0], groups * 16)
+
+
+def _matmul_kernel(x_ref,  # [bm, K/32, 32] float32
+                   w_ref,  # [bn, K] (f32/bf16) or [bn, K/32, 32|16] (packed)
+                   *refs,  # d_ref [bn, K/32] fp16 (packed), m_ref [bn, K/32] (affine4), then
+                           # o_ref [1, bm, bn] float32: this K split's partial sum
+                   fmt: str, block_k: int, matvec: bool, splits: int):
+    *scales, o_ref = refs
+    d_ref, m_ref = (scales + [None, None])[:2]
+    groups = block_k // BLOCK
+    steps = x_ref.shape[1] // groups // splits
+    first = pl.program_id(2) * steps
+
+    def step(kb, acc):
+        g0 = kb * groups
+        for w, half in _widen_tile(w_ref, d_ref, m_ref, g0, groups, fmt):
+            x = _x_piece(x_ref, g0, groups, half)
+            if matvec:  # [bm, 1, bk] * [1, bn, bk] summed over k
+                acc += jnp.sum(x[:, None, :] * w[None, :, :], axis=2)
+            else:
+                acc += jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                           preferred_element_type=jnp.float32)
+        return acc
+
+    acc = jnp.zeros(o_ref.shape[1:], jnp.float32)
+    o_ref[0, :, :] = jax.lax.fori_loop(first, first + steps, step, acc)
+
+
+def _block_k(k: int, cap: int) -> int:
+    bk = cap
+    while k % bk:
+        bk //= 2
+    if bk < BLOCK:
+        raise ValueError(f"input width {k} is not a multiple of {BLOCK}")
+    return bk
+
+
+def _block_n(n: int, cap: int) -> int:
+    bn = cap
+    while n % bn:
+        bn //= 2
+    return bn
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_n", "block_k"))
+def quant_matmul(x: jax.Array, w: Linear, *, interpret: bool = False,
+                 block_n: int | None = None, block_k: int | None = None) -> jax.Array:
+    """x [M, K] float32 @ w[N, K]^T -> [M, N] float32, dequantizing `w` tile by tile."""
+    from jax.experimental.pallas import triton as pltriton
+
+    m_rows, k = x.shape
+    n = w.shape[0]
+    matvec = m_rows <= MATVEC_ROWS
+    bm = pl.next_power_of_2(m_rows) if matvec else (16 if m_rows < 64 else 64)
+    bn = _block_n(n, block_n or (32 if matvec else 64))
+    bk = _block_k(k, block_k or (128 if matvec else 64))
+    padded = pl.cdiv(m_rows, bm) * bm
+    splits = _splits(k // bk, (padded // bm) * (n // bn))
+    x3 = jnp.pad(x, ((0, padded - m_rows), (0, 0))).reshape(padded, k // BLOCK, BLOCK)
+    scales = [a for a in (w.d, w.m) if a is not None]
+    w_spec = (pl.BlockSpec((bn, k), lambda i, j, c: (j, 0)) if w.w.ndim == 2 else
+              pl.BlockSpec((bn,) + w.w.shape[1:], lambda i, j, c: (j, 0, 0)))
+    scale_spec = pl.BlockSpec((bn, k // BLOCK), lambda i, j, c: (j, 0))
+    kernel = functools.partial(_matmul_kernel, fmt=w.fmt, block_k=bk, matvec=matvec,
+                               splits=splits)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((splits, padded, n), jnp.float32),
+        grid=(padded // bm, n // bn, splits),
+        in_specs=[pl.BlockSpec((bm, k // BLOCK, BLOCK), lambda i, j, c: (i, 0, 0)),
+                  w_spec] + [scale_spec] * len(scales),
+        out_specs=pl.BlockSpec((1, bm, bn), lambda i, j, c: (c, i, j)),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name=f"kipp_matmul_{w.fmt}",
+    )(x3, w.w, *scales)
+    return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:m_rows]
+
+
+def _splits(k_steps: int, programs: int) -> int:
+    """K splits (a divisor of k_steps) that bring the grid near TARGET_PROGRAMS programs: a
+    decode matvec over a 1024-row weight would otherwise run on a few dozen programs."""
+    want = max(1, TARGET_PROGRAMS // programs)
+    return max(d for d in range(1, k_steps + 1) if k_steps % d == 0 and d <= want)
+
+
+def dequantize_reference(w: Linear) -> jax.Array:
+    """The prepared weight as float32 [N, K]: kipp.quant.dequantize's arithmetic in jax.numpy."""
+    if w.fmt in ("f32", "bf16"):
+        return w.w.astype(jnp.float32)
+    n, k = w.shape
+    d = w.d.astype(jnp.float32)[..., None]  # [N, K/32, 1]
+    if w.fmt == "q8_0":
+        return (d * w.w.astype(jnp.float32)).reshape(n, k)
+    q = jnp.concatenate([w.w & 15, w.w >> 4], axis=-1).astype(jnp.float32)  # [N, K/32, 32]
+    if w.fmt == "scale4_gs32":
+        return (d * (q - 8.0)).reshape(n, k)
+    return (d * q + w.m.astype(jnp.float32)[..., None]).reshape(n, k)
+
+
+def quant_matmul_reference(x: jax.Array, w: Linear) -> jax.Array:
+    """The jax.numpy twin: x [M, K] float32 @ dequantize(w)^T -> [M, N] float32."""
+    dense = w.w if w.fmt == "f32" else dequantize_reference(w)
+    return jnp.dot(x, dense.T, precision=HIGHEST)

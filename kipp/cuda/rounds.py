@@ -1,0 +1,131 @@
+"""The one place JaxBackend turns eval items into device arrays: rounds, buckets, padding.
+
+An eval call runs as rounds. A round holds at most one contiguous piece of each item (a prefill
+chunk or a decode token), `max_tokens` tokens in all, so one compiled step reads the weights
+once for every sequence in it. A piece's tokens must follow its item's earlier pieces, so an
+item longer than the budget continues in the next round.
+
+Every array dimension is padded to a power-of-two bucket (tokens, sequences, queries per
+sequence, blocks per sequence, logits rows), so a server run compiles a small bounded set of
+programs: at most log2 of each limit. Steady decode of one sequence changes bucket only when its
+context crosses a power of two of 32-position blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from kipp.backend import EvalItem
+from kipp.registry import KV_BLOCK
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """The static shape of one compiled step."""
+
+    tokens: int  # T: token rows of the round
+    seqs: int  # S: sequences (pieces)
+    queries: int  # Tq: query slots per sequence (the longest piece)
+    blocks: int  # B: block-table width per sequence
+    rows: int  # R: logits rows
+
+    def __str__(self) -> str:
+        return (f"T={self.tokens} S={self.seqs} Tq={self.queries} B={self.blocks} "
+                f"R={self.rows}")
+
+
+class RoundArrays(NamedTuple):
+    """int32 inputs of one step (see forward.step)."""
+
+    tokens: np.ndarray  # [T] token ids (0 for padding)
+    positions: np.ndarray  # [T] positions (0 for padding)
+    slots: np.ndarray  # [T] slab row block * 32 + offset to store K/V; padding: past the end
+    query_index: np.ndarray  # [S, Tq] token row of each (sequence, query) slot
+    query_pos: np.ndarray  # [S, Tq] position of that query; -1 for padding
+    token_query: np.ndarray  # [T] flat (sequence * Tq + query) slot of each token row
+    block_tables: np.ndarray  # [S, B] physical blocks (0 past a table's end: never visible)
+    logit_rows: np.ndarray  # [R] token rows whose logits the step returns
+
+
+@dataclass(frozen=True)
+class Piece:
+    item: int  # index into the eval call's items
+    start: int  # first token of the item in this piece
+    stop: int
+
+
+def bucket_size(n: int) -> int:
+    """The power of two at or above n (n >= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def plan_rounds(items: Sequence[EvalItem], max_tokens: int) -> list[list[Piece]]:
+    """Split items into rounds of at most `max_tokens` tokens, one piece per item per round."""
+    done = [0] * len(items)
+    rounds = []
+    while any(d < len(item.tokens) for d, item in zip(done, items)):
+        budget, pieces = max_tokens, []
+        # shortest remainder first: decode tokens never wait behind a long prefill
+        order = sorted(range(len(items)), key=lambda i: len(items[i].tokens) - done[i])
+        for i in order:
+            item = items[i]
+            take = min(len(item.tokens) - done[i], budget)
+            if take > 0:
+                pieces.append(Piece(i, done[i], done[i] + take))
+                done[i] += take
+                budget -= take
+        rounds.append(pieces)
+    return rounds
+
+
+def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: int,
+               ) -> tuple[Bucket, RoundArrays, list[tuple[int, int]]]:
+    """The bucket, padded arrays and logits destinations [(item, row in its output)]."""
+    n_tokens = sum(p.stop - p.start for p in pieces)
+    dests, rows = [], []
+    for p in pieces:
+        item = items[p.item]
+        first_row = len(item.tokens) - item.logits_rows
+        for t in range(max(p.start, first_row), p.stop):
+            dests.append((p.item, t - first_row))
+    longest = max(p.stop - p.start for p in pieces)
+    blocks = max(-(-(items[p.item].start_position + p.stop) // KV_BLOCK) for p in pieces)
+    bucket = Bucket(bucket_size(n_tokens), bucket_size(len(pieces)), bucket_size(longest),
+                    bucket_size(blocks), bucket_size(max(1, len(dests))))
+    a = _empty_arrays(bucket, num_blocks)
+    row = 0
+    for s, p in enumerate(pieces):
+        item = items[p.item]
+        n = p.stop - p.start
+        positions = np.arange(item.start_position + p.start, item.start_position + p.stop)
+        table = np.asarray(item.block_table[: -(-(item.start_position + p.stop) // KV_BLOCK)])
+        a.tokens[row:row + n] = item.tokens[p.start:p.stop]
+        a.positions[row:row + n] = positions
+        a.slots[row:row + n] = table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
+        a.query_index[s, :n] = np.arange(row, row + n)
+        a.query_pos[s, :n] = positions
+        a.token_query[row:row + n] = s * bucket.queries + np.arange(n)
+        a.block_tables[s, :len(table)] = table
+        first_row = len(item.tokens) - item.logits_rows
+        for t in range(max(p.start, first_row), p.stop):
+            rows.append(row + t - p.start)
+        row += n
+    a.logit_rows[:len(rows)] = rows
+    return bucket, a, dests
+
+
+def _empty_arrays(b: Bucket, num_blocks: int) -> RoundArrays:
+    i32 = np.int32
+    return RoundArrays(
+        tokens=np.zeros(b.tokens, i32),
+        positions=np.zeros(b.tokens, i32),
+        slots=np.full(b.tokens, num_blocks * KV_BLOCK, i32),  # out of range: the store drops it
+        query_index=np.zeros((b.seqs, b.queries), i32),
+        query_pos=np.full((b.seqs, b.queries), -1, i32),
+        token_query=np.zeros(b.tokens, i32),
+        block_tables=np.zeros((b.seqs, b.blocks), i32),
+        logit_rows=np.zeros(b.rows, i32),
+    )

@@ -1,0 +1,120 @@
+"""Tensor parallelism over a jax.sharding.Mesh: how Kipp grows past one GPU.
+
+Megatron-style placement, expressed only as shardings; XLA's SPMD partitioner derives the
+per-device programs and inserts the collectives (nothing home-made):
+- Q, K, V, gate and up are split along their output rows (attention heads, FFN columns), so
+  each device computes whole heads: with 8 KV heads over 2 devices, device i holds KV heads
+  4i..4i+3 and exactly the query heads that share them.
+- O and down are split along their input columns; their partial sums meet in one all-reduce.
+- The KV slab is split along its KV-head axis: each device stores only its heads.
+- Norms, embedding and output head are replicated.
+Packed quantized planes split the same way: rows for column-parallel projections, whole
+32-weight groups for row-parallel ones (every family width is a multiple of 32 * devices).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kipp.cuda.layout import Linear
+
+AXIS = "tp"
+COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")
+ROW_PARALLEL = ("o", "down")
+
+
+def make_mesh(devices: int | None = None) -> Mesh:
+    """A one-axis ("tp") mesh over the first `devices` JAX devices (all by default)."""
+    found = jax.devices()
+    count = devices or len(found)
+    if count > len(found):
+        raise ValueError(f"asked for {count} devices, JAX sees {len(found)}")
+    return Mesh(np.array(found[:count]), (AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """Slab [blocks, 32, 8 kv heads, 128] split over KV heads."""
+    return NamedSharding(mesh, P(None, None, AXIS, None))
+
+
+def _linear_sharding(w: Linear, mesh: Mesh, column: bool) -> Linear:
+    def spec(a):
+        if a is None:
+            return None
+        axes = [None] * a.ndim
+        axes[0 if column else 1] = AXIS
+        return NamedSharding(mesh, P(*axes))
+
+    return Linear(spec(w.w), spec(w.d), spec(w.m), fmt=w.fmt)
+
+
+def param_shardings(params, mesh: Mesh):
+    """A pytree of NamedShardings matching kipp.cuda.layout.prepare_weights' output."""
+    rep = replicated(mesh)
+    layers = []
+    for layer in params["layers"]:
+        placed = {}
+        for name, value in layer.items():
+            if name in COLUMN_PARALLEL or name in ROW_PARALLEL:
+                placed[name] = _linear_sharding(value, mesh, name in COLUMN_PARALLEL)
+            else:
+                placed[name] = rep
+        layers.append(placed)
+    return {"embed": rep, "head": None if params["head"] is None else rep,
+            "output_norm": rep, "layers": layers}
+
+
+def compare_with_single_device(artifact_path, devices: int = 2, weight_layout: str = "auto",
+                               prompt_len: int = 40, decode_steps: int = 3) -> dict:
+    """Logits of the model sharded over `devices` vs on one device: worst NMSE and argmax.
+
+    On a CPU, run under XLA_FLAGS=--xla_force_host_platform_device_count=N (set before JAX
+    starts) to get N host devices.
+    """
+    from kipp import gates
+    from kipp.artifact import open_artifact
+    from kipp.backend import EvalItem
+    from kipp.cuda.backend import JaxBackend
+
+    artifact = open_artifact(artifact_path)
+    single = JaxBackend(artifact, 8, path="twins", weight_layout=weight_layout,
+                        device=jax.devices()[0])
+    sharded = JaxBackend(artifact, 8, path="twins", weight_layout=weight_layout,
+                         mesh=make_mesh(devices))
+    q = sharded.params["layers"][0]["q"].w
+    table = (5, 2, 7)
+    tokens = tuple(int(t) for t in np.random.default_rng(0).integers(0, 151_643, prompt_len))
+    items = [EvalItem(tokens, 0, table, prompt_len)]
+    worst, argmax_equal = 0.0, True
+    for step in range(decode_steps + 1):
+        [a], [b] = sharded.eval(items), single.eval(items)
+        worst = max(worst, gates.nmse(a, b))
+        differ, ties = gates.argmax_check(a, b)
+        argmax_equal &= differ == ties
+        items = [EvalItem((int(b[-1].argmax()),), prompt_len + step, table)]
+    return {"devices": sharded.mesh.size, "nmse": worst, "argmax_equal": bool(argmax_equal),
+            "q_shard_rows": q.addressable_shards[0].data.shape[0], "q_rows": q.shape[0],
+            "describe": sharded.describe()}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="sharded vs single-device logits")
+    parser.add_argument("artifact")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--layout", default="auto", choices=("auto", "f32", "device"))
+    args = parser.parse_args(argv)
+    print(json.dumps(compare_with_single_device(args.artifact, args.devices, args.layout)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

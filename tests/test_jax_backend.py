@@ -1,0 +1,229 @@
+"""JaxBackend's gates against the reference backend, and its compile/round contracts.
+
+On a CPU these run the jax.numpy twins (float32 layout, and the GPU's packed layout), plus one
+whole-model run of the Pallas kernels in interpret mode; on a GPU the default path is the
+kernels. Bounds are DESIGN.md's: identical argmax (up to numerical near-ties, gates.argmax_check)
+and NMSE <= 1e-4 at every prefill and decode position; a scrambled block table bitwise equal to
+the identity table; batched mixed-length eval equal to isolated within the same bound.
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from kipp import gates  # noqa: E402
+from kipp.artifact import open_artifact  # noqa: E402
+from kipp.backend import EvalError, EvalItem  # noqa: E402
+from kipp.cuda import select  # noqa: E402
+from kipp.cuda.backend import JaxBackend  # noqa: E402
+from kipp.reference.backend import ReferenceBackend  # noqa: E402
+
+TINY = "kipp-synthetic/qwen3-tiny"
+UNTIED = "kipp-synthetic/qwen3-tiny-untied"
+SCHEMES = ["bf16", "q8_0", "affine4_gs32", "scale4_gs32"]
+BLOCKS = 12
+BOUND = 1e-4
+
+
+def _backends(artifacts, checkpoint_id, scheme, **options):
+    artifact = open_artifact(artifacts(checkpoint_id, scheme))
+    return ReferenceBackend(artifact, BLOCKS), JaxBackend(artifact, BLOCKS, **options)
+
+
+def _tokens(seed, n):
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(0, 151_643, n))
+
+
+def _check_rows(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        error = gates.nmse(g, w)
+        differ, ties = gates.argmax_check(g, w)
+        assert error <= BOUND, f"{what} row {i}: NMSE {error:.2e}"
+        assert differ == ties, f"{what} row {i}: argmax differs beyond a near-tie"
+
+
+def _gate(ref, jb, prompt_len=30, decode_steps=4, seed=0):
+    """Prefill (every position's logits) then decode across the 31/32/33 block boundary, on a
+    scrambled table; the reference sees the same items."""
+    table = tuple(int(b) for b in np.random.default_rng(seed).permutation(BLOCKS)[:3])
+    prompt = _tokens(seed, prompt_len)
+    item = EvalItem(prompt, 0, table, prompt_len)
+    [want], [got] = ref.eval([item]), jb.eval([item])
+    _check_rows(got, want, "prefill")
+    for step in range(decode_steps):
+        item = EvalItem((int(want[-1].argmax()),), prompt_len + step, table)
+        [want], [got] = ref.eval([item]), jb.eval([item])
+        _check_rows(got, want, f"decode position {prompt_len + step}")
+
+
+@pytest.mark.parametrize("checkpoint_id", [TINY, UNTIED])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_jax_matches_reference(artifacts, checkpoint_id, scheme):
+    """The default path for this machine (CPU: twins on float32 weights)."""
+    ref, jb = _backends(artifacts, checkpoint_id, scheme)
+    _gate(ref, jb)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_packed_layout_twins_match_reference(artifacts, scheme):
+    """The GPU's layout (BF16 / packed planes, dequantized in the step) through the twins."""
+    ref, jb = _backends(artifacts, UNTIED, scheme, path="twins", weight_layout="device")
+    assert "device weights" in jb.describe()
+    _gate(ref, jb, prompt_len=20, decode_steps=2)
+
+
+def test_kernels_in_interpret_mode_match_reference(artifacts):
+    """The whole model through the Pallas kernels (interpret mode): GQA group 5, 4-bit."""
+    ref, jb = _backends(artifacts, UNTIED, "scale4_gs32", path="interpret",
+                        weight_layout="device")
+    assert "Pallas kernels (interpret mode)" in jb.describe()
+    _gate(ref, jb, prompt_len=20, decode_steps=1)
+
+
+def test_scrambled_block_table_is_bitwise_identity(artifacts):
+    _, jb = _backends(artifacts, TINY, "q8_0")
+    prompt = _tokens(1, 70)
+    identity = (0, 1, 2, 3)
+    scrambled = (9, 4, 7, 1)
+    [a] = jb.eval([EvalItem(prompt, 0, identity, 4)])
+    [b] = jb.eval([EvalItem(prompt, 0, scrambled, 4)])
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    [a] = jb.eval([EvalItem((5,), 70, identity)])
+    [b] = jb.eval([EvalItem((5,), 70, scrambled)])
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_batched_mixed_lengths_equal_isolated(artifacts):
+    _, jb = _backends(artifacts, UNTIED, "bf16")
+    lengths = (37, 5, 1, 20)
+    prompts = [_tokens(10 + i, n) for i, n in enumerate(lengths)]
+    tables = [(0, 1), (2,), (3,), (4,)]
+    alone = [jb.eval([EvalItem(p, 0, t, min(2, len(p)))])[0] for p, t in zip(prompts, tables)]
+    moved = [(5, 6), (7,), (8,), (9,)]  # same content in other blocks
+    together = jb.eval([EvalItem(p, 0, t, min(2, len(p))) for p, t in zip(prompts, moved)])
+    for a, b in zip(together, alone):
+        assert gates.nmse(a, b) <= BOUND and np.array_equal(a.argmax(-1), b.argmax(-1))
+    # then one decode token per sequence, batched vs alone
+    steps = [EvalItem((int(a[-1].argmax()),), n, t) for a, n, t in zip(alone, lengths, tables)]
+    alone = [jb.eval([item])[0] for item in steps]
+    together = jb.eval([EvalItem(s.tokens, s.start_position, t) for s, t in zip(steps, moved)])
+    for a, b in zip(together, alone):
+        assert gates.nmse(a, b) <= BOUND
+
+
+def test_rounds_split_long_items_and_rows(artifacts):
+    """A 45-token item under a 16-token round budget, with logits rows spanning rounds, and a
+    second item that waits for budget: equal to one round within the bound."""
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    wide, narrow = JaxBackend(artifact, BLOCKS), JaxBackend(artifact, BLOCKS, max_round_tokens=16)
+    items = [EvalItem(_tokens(3, 45), 0, (0, 1), 20), EvalItem(_tokens(4, 9), 0, (2,), 9)]
+    for a, b in zip(narrow.eval(items), wide.eval(items)):
+        _check_rows(a, b, "split rounds")
+    assert {bucket.tokens for bucket, _ in narrow.compile_log} <= {16, 8, 4, 2, 1}
+
+
+def test_steady_state_decode_does_not_recompile(artifacts):
+    from jax import monitoring
+
+    _, jb = _backends(artifacts, TINY, "bf16")
+    table = (3, 1, 4)
+    [logits] = jb.eval([EvalItem(_tokens(5, 40), 0, table)])
+    [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), 40, table)])  # compiles decode
+    buckets = jb.buckets
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if "compile" in event:
+            events.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for position in range(41, 64):  # same bucket: 2 blocks of 32 positions
+            [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), position, table)])
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert events == [] and jb.buckets == buckets
+    [logits] = jb.eval([EvalItem((1,), 64, table)])  # 3 blocks: the next bucket (B=4)
+    assert len(jb.buckets) == len(buckets) + 1 and max(b.blocks for b in jb.buckets) == 4
+
+
+def test_bad_items_are_rejected_before_any_work(artifacts):
+    _, jb = _backends(artifacts, TINY, "bf16")
+    with pytest.raises(EvalError):
+        jb.eval([EvalItem((1,), 0, (BLOCKS,))])
+    with pytest.raises(EvalError):
+        jb.eval([EvalItem((151_936,), 0, (0,))])
+
+
+def test_path_selection_and_twins_switch(monkeypatch):
+    assert not select.choose_path("auto", "cpu").kernels
+    assert "no GPU" in select.choose_path("auto", "cpu").reason
+    monkeypatch.delenv(select.TWINS_ENV, raising=False)
+    assert select.choose_path("auto", "gpu").kernels
+    monkeypatch.setenv(select.TWINS_ENV, "1")
+    choice = select.choose_path("auto", "gpu")
+    assert not choice.kernels and select.TWINS_ENV in choice.reason
+    assert select.choose_path("interpret", "cpu").interpret
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "affine4_gs32"])
+def test_whole_step_with_kernels_lowers_for_cuda(artifacts, scheme):
+    """The GPU program (device layout, kernels, BF16 slab) lowers for CUDA on this machine:
+    every kernel goes through Pallas' Triton lowering inside the real step."""
+    import functools
+
+    import jax.numpy as jnp
+    from jax import export
+
+    from kipp.cuda import forward, layout, rounds
+
+    artifact = open_artifact(artifacts(UNTIED, scheme))
+    params = layout.prepare_weights(artifact, "device")
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    params = jax.tree.map(spec, params)
+    slab = jax.ShapeDtypeStruct((BLOCKS, 32, 8, 128), jnp.bfloat16)
+    kv = tuple((slab, slab) for _ in artifact.weights.layers)
+    rope = (jax.ShapeDtypeStruct((4096, 128), jnp.float32),) * 2
+    step = jax.jit(functools.partial(forward.step, ops=forward.Ops(kernels=True)))
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for items in ([EvalItem(_tokens(0, 40), 0, (1, 2), 3)], [EvalItem((7,), 40, (1, 2))]):
+        _, arrays, _ = rounds.pack_round(items, rounds.plan_rounds(items, 512)[0], BLOCKS)
+        exported = export.export(step, platforms=["cuda"], disabled_checks=[triton])(
+            params, kv, rope, jax.tree.map(spec, arrays))
+        assert exported.mlir_module().count("xla.gpu.triton") >= 3
+
+
+def test_kernels_that_fail_to_compile_fall_back_to_twins(artifacts, monkeypatch, caplog):
+    """On a CPU, compiled (non-interpret) Pallas kernels cannot lower: the stand-in for a
+    Triton failure on a GPU. The backend must warn, run the twins and say so."""
+    monkeypatch.setattr(select, "choose_path",
+                        lambda *a: select.Choice(True, False, "forced by the test"))
+    ref, jb = _backends(artifacts, TINY, "q8_0", weight_layout="device")
+    item = EvalItem(_tokens(6, 5), 0, (2,))
+    with caplog.at_level("WARNING", logger="kipp.cuda"):
+        [got] = jb.eval([item])
+    assert "failed to compile" in caplog.text and "jax.numpy twins" in jb.describe()
+    _check_rows(got, ref.eval([item])[0], "fallback")
+
+
+def test_round_planning_and_packing():
+    from kipp.cuda import rounds
+
+    items = [EvalItem(tuple(range(1, 41)), 0, (3, 5), 3), EvalItem((7,), 33, (1, 0)),
+             EvalItem((8, 9), 0, (2,), 2)]
+    plan = rounds.plan_rounds(items, 16)
+    assert [[(p.item, p.start, p.stop) for p in r] for r in plan] == [
+        [(1, 0, 1), (2, 0, 2), (0, 0, 13)], [(0, 13, 29)], [(0, 29, 40)]]
+    bucket, a, dests = rounds.pack_round(items, plan[0], num_blocks=6)
+    assert bucket == rounds.Bucket(tokens=16, seqs=4, queries=16, blocks=2, rows=4)
+    assert list(a.tokens[:4]) == [7, 8, 9, 1]
+    assert a.slots[0] == 0 * 32 + 1  # position 33 -> block_table[1] = 0, offset 1
+    assert list(a.slots[1:3]) == [64, 65] and a.slots[3] == 3 * 32
+    assert list(a.query_pos[0, :2]) == [33, -1] and a.query_pos[3, 0] == -1
+    assert dests == [(1, 0), (2, 0), (2, 1)]  # item 0's rows come in its last round
+    bucket, a, dests = rounds.pack_round(items, plan[2], num_blocks=6)
+    assert bucket.tokens == 16 and a.tokens[15] == 0
+    assert a.slots[15] == 6 * 32  # padding rows store past the slab's end: dropped
+    assert list(a.slots[:4]) == [3 * 32 + 29, 3 * 32 + 30, 3 * 32 + 31, 5 * 32]  # table (3, 5)
+    assert dests == [(0, 0), (0, 1), (0, 2)]

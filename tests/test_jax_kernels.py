@@ -1,0 +1,199 @@
+"""Every Pallas kernel vs its jax.numpy twin vs the numpy reference (kipp.quant, kipp.reference).
+
+On a CPU the kernels run in Pallas interpret mode; on a GPU they run compiled (set
+KIPP_PALLAS_INTERPRET=1 to force interpret mode there). Shapes are drawn within the family's:
+widths that are multiples of 32 with different power-of-two factors, query groups of 2 and 5
+(padded to Triton's power-of-two tiles), scrambled block tables, ragged lengths and positions
+on both sides of the 32-position block boundary.
+"""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kipp import quant  # noqa: E402
+from kipp.artifact import Tensor  # noqa: E402
+from kipp.cuda.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kipp.cuda.layout import pack_linear  # noqa: E402
+from kipp.cuda.prefill_attention import (  # noqa: E402
+    paged_attention_reference, prefill_attention)
+from kipp.cuda.quant_matmul import (  # noqa: E402
+    dequantize_reference, quant_matmul, quant_matmul_reference)
+from kipp.reference import ops  # noqa: E402
+
+INTERPRET = os.environ.get("KIPP_PALLAS_INTERPRET",
+                           "0" if jax.default_backend() == "gpu" else "1") == "1"
+SCHEMES = list(quant.SCHEMES)
+
+
+def _packed(rng, rows, cols, scheme, layout="device"):
+    """(prepared Linear on the device, the numpy dequantized float32 oracle)."""
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    w[0, :32] = 0.0  # a flat block: every scheme's edge case
+    raw = quant.quantize(w, scheme)
+    tensor = Tensor("w", (rows, cols), quant.SCHEMES[scheme].ggml_type, raw.reshape(-1))
+    return jax.tree.map(jnp.asarray, pack_linear(tensor, layout)), quant.dequantize(raw, scheme,
+                                                                                   cols)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_twin_dequantizer_is_bitwise_the_numpy_dequantizer(scheme):
+    rng = np.random.default_rng(1)
+    w, want = _packed(rng, 48, 320, scheme)
+    got = np.asarray(dequantize_reference(w))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_matmul_kernel_dequantizes_exactly(scheme):
+    """x = identity makes every output one weight times 1 plus exact zeros: the kernel's
+    dequantized tile, which must equal kipp.quant.dequantize (as values: -0 == +0)."""
+    rng = np.random.default_rng(2)
+    w, want = _packed(rng, 64, 96, scheme)
+    got = np.asarray(quant_matmul(jnp.eye(96, dtype=jnp.float32), w, interpret=INTERPRET))
+    assert np.array_equal(got.T, want)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("rows", [1, 3, 21])  # matvec (<= 4 rows, padded) and dot kernels
+def test_matmul_kernel_vs_twin_vs_numpy(scheme, rows):
+    rng = np.random.default_rng(3 + rows)
+    n, k = [(32, 768), (128, 256), (96, 160)][rows % 3]
+    w, dense = _packed(rng, n, k, scheme)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    want = x.astype(np.float64) @ dense.T.astype(np.float64)
+    kernel = np.asarray(quant_matmul(jnp.asarray(x), w, interpret=INTERPRET))
+    twin = np.asarray(quant_matmul_reference(jnp.asarray(x), w))
+    scale = np.abs(want).max()
+    assert np.abs(kernel - want).max() <= 1e-5 * scale
+    assert np.abs(twin - want).max() <= 1e-5 * scale
+    assert np.abs(kernel - twin).max() <= 1e-5 * scale
+
+
+def test_f32_layout_twin_equals_numpy_dense():
+    rng = np.random.default_rng(4)
+    w, dense = _packed(rng, 64, 128, "q8_0", layout="f32")
+    assert w.fmt == "f32" and np.array_equal(np.asarray(w.w), dense)
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    got = np.asarray(quant_matmul(jnp.asarray(x), w, interpret=INTERPRET))
+    np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def _slab(rng, blocks):
+    shape = (blocks, 32, 8, 128)
+    return (rng.standard_normal(shape).astype(ml_dtypes.bfloat16),
+            rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
+
+
+def _numpy_attention(q, k, v, position, table):
+    """ops.attend over positions 0..position gathered through the block table."""
+    p = np.arange(position + 1)
+    slots = np.asarray(table)[p // 32] * 32 + p % 32
+    keys = k.reshape(-1, 8, 128)[slots].astype(np.float32)
+    values = v.reshape(-1, 8, 128)[slots].astype(np.float32)
+    return ops.attend(q.reshape(8, -1, 128), keys, values).reshape(q.shape)
+
+
+def _tables(rng, seqs, width, blocks):
+    return np.stack([rng.permutation(blocks)[:width] for _ in range(seqs)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("heads", [16, 40])  # query groups of 2 and 5 per KV head
+def test_decode_attention_kernel_vs_twin_vs_numpy(heads):
+    rng = np.random.default_rng(heads)
+    k, v = _slab(rng, 24)
+    lengths = np.array([1, 32, 33, 34, 200, 0], np.int32)  # positions 0, 31, 32, 33, 199; 0: pad
+    tables = _tables(rng, len(lengths), 8, 24)
+    q = rng.standard_normal((len(lengths), heads, 128)).astype(np.float32)
+    args = [jnp.asarray(a) for a in (q, k, v, lengths, tables)]
+    kernel = np.asarray(decode_attention(*args, interpret=INTERPRET, blocks_per_split=2))
+    twin = np.asarray(decode_attention_reference(*args))
+    for s, length in enumerate(lengths[:-1]):
+        want = _numpy_attention(q[s], k, v, length - 1, tables[s])
+        np.testing.assert_allclose(kernel[s], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(twin[s], want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(kernel))
+
+
+@pytest.mark.parametrize("heads", [16, 40])
+def test_prefill_attention_kernel_vs_twin_vs_numpy(heads):
+    rng = np.random.default_rng(100 + heads)
+    k, v = _slab(rng, 16)
+    # ragged pieces: positions across the 31/32/33 boundary, a chunk continuing a prefix,
+    # and a short piece padded with -1
+    query_pos = np.full((3, 20), -1, np.int32)
+    query_pos[0, :20] = np.arange(20, 40)
+    query_pos[1, :6] = np.arange(28, 34)
+    query_pos[2, :3] = np.arange(3)
+    tables = _tables(rng, 3, 4, 16)
+    q = rng.standard_normal((3, 20, heads, 128)).astype(np.float32)
+    args = [jnp.asarray(a) for a in (q, k, v, query_pos, tables)]
+    kernel = np.asarray(prefill_attention(*args, interpret=INTERPRET, block_q=8))
+    twin = np.asarray(paged_attention_reference(*args))
+    for s, i in zip(*np.nonzero(query_pos >= 0)):
+        want = _numpy_attention(q[s, i], k, v, query_pos[s, i], tables[s])
+        np.testing.assert_allclose(kernel[s, i], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(twin[s, i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_twin_reads_the_uint16_slab_bitwise_like_bf16():
+    """The CPU stores the slab as BF16 bit patterns (uint16); the twin must not care."""
+    rng = np.random.default_rng(7)
+    k, v = _slab(rng, 8)
+    q = rng.standard_normal((2, 3, 16, 128)).astype(np.float32)
+    pos = np.array([[30, 31, 32], [0, 1, -1]], np.int32)
+    tables = _tables(rng, 2, 2, 8)
+    bf16 = paged_attention_reference(*(jnp.asarray(a) for a in (q, k, v, pos, tables)))
+    bits = paged_attention_reference(jnp.asarray(q), jnp.asarray(k.view(np.uint16)),
+                                     jnp.asarray(v.view(np.uint16)), jnp.asarray(pos),
+                                     jnp.asarray(tables))
+    assert np.array_equal(np.asarray(bf16), np.asarray(bits))
+
+
+def _lowers_for_cuda(fn, *shapes):
+    """Lower `fn` for CUDA on this machine: Pallas runs its Triton lowering, so a primitive the
+    Triton backend cannot lower fails here, without a GPU (Triton's own compile still needs one)."""
+    from jax import export
+
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*shapes)
+    return exported.mlir_module()
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"] + SCHEMES[1:])
+@pytest.mark.parametrize("rows", [2, 20])
+def test_matmul_kernel_lowers_to_triton(fmt, rows):
+    from kipp.cuda.layout import Linear
+
+    n, k = 128, 768
+    planes = {"f32": (_spec((n, k), jnp.float32),), "bf16": (_spec((n, k), jnp.bfloat16),),
+              "q8_0": (_spec((n, k // 32, 32), jnp.int8), _spec((n, k // 32), jnp.float16)),
+              "scale4_gs32": (_spec((n, k // 32, 16), jnp.uint8),
+                              _spec((n, k // 32), jnp.float16)),
+              "affine4_gs32": (_spec((n, k // 32, 16), jnp.uint8),
+                               _spec((n, k // 32), jnp.float16),
+                               _spec((n, k // 32), jnp.float16))}[fmt]
+    w = Linear(*planes, fmt=fmt)
+    text = _lowers_for_cuda(lambda x, w: quant_matmul(x, w), _spec((rows, k), jnp.float32), w)
+    assert "xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("heads", [16, 40])
+def test_attention_kernels_lower_to_triton(heads):
+    slab = _spec((24, 32, 8, 128), jnp.bfloat16)
+    i32 = lambda *shape: _spec(shape, jnp.int32)  # noqa: E731
+    decode = _lowers_for_cuda(lambda *a: decode_attention(*a), _spec((6, heads, 128), jnp.float32),
+                              slab, slab, i32(6), i32(6, 40))
+    prefill = _lowers_for_cuda(lambda *a: prefill_attention(*a),
+                               _spec((3, 20, heads, 128), jnp.float32), slab, slab, i32(3, 20),
+                               i32(3, 4))
+    assert "xla.gpu.triton" in decode and "xla.gpu.triton" in prefill
