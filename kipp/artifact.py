@@ -21,7 +21,7 @@ import numpy as np
 from kipp import gguf, registry
 from kipp.errors import ArtifactError, FieldMismatch, RegistryError
 from kipp.gguf import ValueType
-from kipp.quant import GGML_BF16, GGML_F32, SCHEMES, WeightScheme, dequantize
+from kipp.quant import GGML_BF16, GGML_F32, SCHEMES, SCHEMES_BY_GGML_TYPE, WeightScheme, dequantize
 from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS, VOCAB_SIZE, Checkpoint
 
 FORMAT_VERSION = 1
@@ -166,11 +166,9 @@ class Tensor:
         return self.raw.reshape(self.shape[0], row_bytes)[start:stop]
 
     def dequantize_rows(self, start: int, stop: int) -> np.ndarray:
-        scheme = _SCHEME_BY_TYPE[self.ggml_type]
+        scheme = SCHEMES_BY_GGML_TYPE[self.ggml_type]
         return dequantize(self.quantized_rows(start, stop), scheme, self.shape[1])
 
-
-_SCHEME_BY_TYPE = {s.ggml_type: s for s in SCHEMES.values()}
 
 
 @dataclass(frozen=True)

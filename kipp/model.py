@@ -23,7 +23,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kipp import registry
 from kipp.artifact import Artifact, open_artifact
 from kipp.blocks import BLOCK_SIZE, BlockPool
 from kipp.errors import KippError

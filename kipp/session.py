@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from kipp.backend import EvalError, EvalItem
+from kipp.backend import EvalItem
 from kipp.blocks import BLOCK_SIZE
 from kipp.errors import KippError
 
