@@ -62,7 +62,8 @@ def _describe(path) -> None:
 def _load(args):
     from kipp.model import load
 
-    return load(args.model, backend=args.backend, scheme=args.scheme)
+    return load(args.model, backend=args.backend, scheme=args.scheme,
+                kv_tokens=getattr(args, "kv_tokens", None))
 
 
 def _sampling(args) -> dict:
@@ -103,6 +104,15 @@ def _chat(args) -> None:
         _stream(generation)
         messages.append({"role": "assistant",
                          "content": model.tokenizer.decode(generation.stats.tokens)})
+
+
+def _serve(args) -> None:
+    from kipp.http import serve
+
+    model = _load(args)
+    serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+          prefill_chunk=args.prefill_chunk, threads=args.threads,
+          chat_max_tokens=args.chat_max_tokens)
 
 
 def _gates(args) -> int:
@@ -189,6 +199,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-think", action="store_true", help="enable_thinking=False")
     _add_sampling_arguments(p)
     p.set_defaults(run=_chat)
+
+    p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
+    _add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="waiting requests before new ones get 503")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per sequence per step")
+    p.add_argument("--kv-tokens", type=int, help="KV pool size in tokens (default: backend's)")
+    p.add_argument("--threads", type=int, default=96, help="HTTP worker threads")
+    p.add_argument("--chat-max-tokens", type=int,
+                   help="max_tokens of a chat request that gives none (default 1024)")
+    p.set_defaults(run=_serve)
 
     p = commands.add_parser("gates", help="correctness gates of an artifact vs its source")
     _add_model_arguments(p)

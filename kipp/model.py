@@ -133,9 +133,10 @@ class Model:
         self.pool = BlockPool(backend.num_blocks)
         self.tokenizer = Tokenizer(artifact.tokenizer_data())
 
-    def session(self, capacity: int | None = None) -> Session:
-        """A new empty session of `capacity` tokens (default: the context length)."""
-        return Session(self, capacity)
+    def session(self, capacity: int | None = None, reservation=None) -> Session:
+        """A new empty session of `capacity` tokens (default: the context length). With a
+        `reservation` (BlockPool.reserve) its blocks come out of the blocks promised to it."""
+        return Session(self, capacity, reservation)
 
     def check_tokens(self, tokens: Sequence[int]) -> list[int]:
         """Token ids as a list of ints, or a clear error naming the first bad one."""

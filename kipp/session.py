@@ -17,6 +17,7 @@ from kipp.blocks import BLOCK_SIZE
 from kipp.errors import KippError
 
 if TYPE_CHECKING:
+    from kipp.blocks import Reservation
     from kipp.model import Model
 
 
@@ -31,7 +32,8 @@ def _blocks_for(positions: int) -> int:
 class Session:
     """One sequence on a model. Use as a context manager, or call close() when done."""
 
-    def __init__(self, model: "Model", capacity: int | None = None):
+    def __init__(self, model: "Model", capacity: int | None = None,
+                 reservation: "Reservation | None" = None):
         context = model.entry.context_length
         capacity = context if capacity is None else capacity
         if not 1 <= capacity <= context:
@@ -42,6 +44,10 @@ class Session:
         self.tokens: list[int] = []
         self.block_table: list[int] = []
         self.shared_blocks = 0  # leading blocks adopted from the pool: full and immutable
+        # Blocks promised to this session's request at admission (the scheduler's): growth
+        # draws from it and released blocks are credited back, so a running sequence never
+        # competes with the headroom that admission hands out.
+        self.reservation = reservation
         self.closed = False
 
     def __enter__(self) -> "Session":
@@ -146,11 +152,11 @@ class Session:
     def _grow(self, positions: int) -> None:
         need = _blocks_for(positions) - len(self.block_table)
         if need > 0:
-            self.block_table.extend(self.model.pool.allocate(need))
+            self.block_table.extend(self.model.pool.allocate(need, self.reservation))
 
     def _shrink_table(self, keep: int) -> None:
         dropped = self.block_table[keep:]
         if dropped:
-            self.model.pool.release(dropped)
+            self.model.pool.release(dropped, self.reservation)
         del self.block_table[keep:]
         self.shared_blocks = min(self.shared_blocks, keep)

@@ -1,0 +1,310 @@
+"""The Flask app: thin handlers over the scheduler, OpenAI's response and chunk shapes.
+
+A handler parses the body into a Call (kipp.http.schema), submits its Request to the scheduler
+and turns the ticket's events into a JSON response or a server-sent event stream. Handlers never
+touch the model: the tokenizer (pure) is the one model attribute they read, for prompts and for
+the text of logprob tokens. A streaming client that goes away cancels its own request: the WSGI
+server closes the response iterator, whose `finally` cancels the ticket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+import uuid
+
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+
+from kipp.http.metrics import Metrics
+from kipp.http.schema import APIError, Call, parse_chat, parse_completion
+from kipp.scheduler import Delta, Done, Failed, Finished, QueueFull, SchedulerError, Ticket
+
+log = logging.getLogger("kipp.http")
+
+MAX_BODY_BYTES = 4 << 20
+DEFAULT_CHAT_MAX_TOKENS = 1024
+EVENT_POLL_SECONDS = 1.0  # how often a waiting handler checks that the engine is alive
+
+
+def create_app(model, scheduler, *, model_name: str | None = None,
+               chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> Flask:
+    """The OpenAI-compatible app over a started Scheduler of `model`."""
+    app = Flask("kipp")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    served = model_name or model.entry.id
+    metrics = Metrics(scheduler)
+    created = int(time.time())
+    tokenizer = model.tokenizer
+    token_text = _TokenText(tokenizer)
+
+    @app.errorhandler(APIError)
+    def api_error(e: APIError):
+        return _error_response(e)
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException):
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = e.description or e.name
+        if e.code == 413:
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+        return _error_response(APIError(e.code or 500, message, code=kinds.get(e.code)))
+
+    @app.errorhandler(Exception)
+    def internal_error(e: Exception):
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}",
+                                        type="server_error"))
+
+    @app.after_request
+    def count(response):
+        metrics.responses.labels(request.path if request.url_rule else "other",
+                                 str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    def health():
+        if not scheduler.alive:
+            return _error_response(APIError(503, "the engine thread is not running",
+                                            type="server_error"))
+        return {"status": "ok", "model": served}
+
+    @app.get("/metrics")
+    def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, content_type=content_type)
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [_model_card(model, served, created)]}
+
+    @app.get("/v1/models/<path:name>")
+    def one_model(name: str):
+        if name != served:
+            raise APIError(404, f"model '{name}' is not served here", "model",
+                           "model_not_found")
+        return _model_card(model, served, created)
+
+    @app.post("/v1/completions")
+    def completions():
+        call = parse_completion(_json_body(), served, tokenizer)
+        return _answer(call)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        call = parse_chat(_json_body(), served, tokenizer, model.entry.has_chat_template,
+                          model.entry.context_length, chat_max_tokens)
+        return _answer(call)
+
+    def _answer(call: Call):
+        try:
+            ticket = scheduler.submit(call.request)
+        except QueueFull as e:
+            raise APIError(503, str(e), code="queue_full", type="server_overloaded",
+                           headers={"Retry-After": "1"}) from None
+        except SchedulerError as e:
+            code = "context_length_exceeded" if "context length" in str(e) else None
+            param = "max_tokens" if code else ("n" if str(e).startswith("n ") else None)
+            raise APIError(400, str(e), param, code) from None
+        shape = _Shape(call, served, token_text)
+        if call.stream:
+            return Response(_sse(ticket, shape, metrics, scheduler), content_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            events = list(_events(ticket, scheduler))
+        finally:
+            if not ticket.ended:
+                ticket.cancel()
+        last = events[-1]
+        if isinstance(last, Failed):
+            raise APIError(500, f"the request failed: {last.message}", type="server_error")
+        metrics.observe(ticket)
+        return shape.response(events)
+
+    return app
+
+
+def _events(ticket: Ticket, scheduler):
+    """The ticket's events; a dead engine thread ends the stream with Failed."""
+    while True:
+        try:
+            event = ticket.get(timeout=EVENT_POLL_SECONDS)
+        except queue.Empty:
+            if not scheduler.alive:
+                ticket.ended = True
+                yield Failed("the engine thread stopped")
+                return
+            continue
+        yield event
+        if ticket.ended:
+            return
+
+
+def _sse(ticket: Ticket, shape: "_Shape", metrics: Metrics, scheduler):
+    """Server-sent events; closing this generator early (client gone) cancels the request."""
+    try:
+        for chunk in shape.first_chunks():
+            yield _data(chunk)
+        for event in _events(ticket, scheduler):
+            if isinstance(event, Failed):
+                yield _data(APIError(500, f"the request failed: {event.message}",
+                                     type="server_error").body())
+                break
+            if isinstance(event, Done):
+                metrics.observe(ticket)
+            for chunk in shape.chunks(event):
+                yield _data(chunk)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ticket.ended:
+            ticket.cancel()
+
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _json_body():
+    raw = request.get_data(cache=False)
+    if not raw:
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}",
+                       code="invalid_json") from None
+
+
+def _error_response(e: APIError) -> Response:
+    response = Response(json.dumps(e.body()), status=e.status, content_type="application/json")
+    for key, value in e.headers.items():
+        response.headers[key] = value
+    return response
+
+
+def _model_card(model, served: str, created: int) -> dict:
+    entry = model.entry
+    return {"id": served, "object": "model", "created": created, "owned_by": "kipp",
+            "kipp": {"checkpoint": entry.id, "revision": entry.revision,
+                     "scheme": model.artifact.scheme.name, "backend": model.backend.describe(),
+                     "context_length": entry.context_length, "variant": entry.variant}}
+
+
+class _TokenText:
+    """Token ids as the strings and bytes that logprobs report."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def bytes(self, token: int) -> bytes:
+        return self.tokenizer.decode_bytes([token])
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")
+
+
+class _Shape:
+    """Builds the endpoint's response and chunk objects from scheduler events."""
+
+    def __init__(self, call: Call, served: str, token_text: _TokenText):
+        self.call, self.served, self.tt = call, served, token_text
+        chat = call.endpoint == "chat"
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.created = int(time.time())
+        self.text_offsets = [0] * call.request.n
+
+    # -- logprobs in each endpoint's native shape
+
+    def _chat_logprob(self, lp) -> dict:
+        def entry(token, value):
+            return {"token": self.tt.text(token), "logprob": value,
+                    "bytes": list(self.tt.bytes(token))}
+
+        return {**entry(lp.token, lp.logprob),
+                "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+    def _legacy_logprobs(self, choice: int, lps) -> dict:
+        tokens, offsets = [], []
+        for lp in lps:
+            text = self.tt.text(lp.token)
+            tokens.append(text)
+            offsets.append(self.text_offsets[choice])
+            self.text_offsets[choice] += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.tt.text(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def _logprobs(self, choice: int, lps):
+        if not self.call.logprobs:
+            return None
+        if self.call.endpoint == "chat":
+            return {"content": [self._chat_logprob(lp) for lp in lps]}
+        return self._legacy_logprobs(choice, lps)
+
+    # -- whole responses
+
+    def _usage(self, done: Done) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+    def response(self, events) -> dict:
+        n = self.call.request.n
+        texts, lps, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+        done = None
+        for event in events:
+            if isinstance(event, Delta):
+                texts[event.choice] += event.text
+                lps[event.choice].extend(event.logprobs)
+            elif isinstance(event, Finished):
+                reasons[event.choice] = event.reason
+            elif isinstance(event, Done):
+                done = event
+        choices = []
+        for i in range(n):
+            choice = {"index": i, "logprobs": self._logprobs(i, lps[i]),
+                      "finish_reason": reasons[i]}
+            if self.call.endpoint == "chat":
+                choice["message"] = {"role": "assistant", "content": texts[i]}
+            else:
+                choice["text"] = texts[i]
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.served, "choices": choices, "usage": self._usage(done),
+                "timings": done.timings}
+
+    # -- stream chunks
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                 "model": self.served, "choices": choices}
+        if self.call.include_usage:
+            chunk["usage"] = None
+        chunk.update(extra)
+        return chunk
+
+    def first_chunks(self):
+        if self.call.endpoint != "chat":
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for i in range(self.call.request.n)]
+
+    def chunks(self, event):
+        chat = self.call.endpoint == "chat"
+        if isinstance(event, Delta):
+            body = {"delta": {"content": event.text}} if chat else {"text": event.text}
+            return [self._chunk([{"index": event.choice, **body,
+                                  "logprobs": self._logprobs(event.choice, event.logprobs),
+                                  "finish_reason": None}])]
+        if isinstance(event, Finished):
+            body = {"delta": {}} if chat else {"text": ""}
+            return [self._chunk([{"index": event.choice, **body, "logprobs": None,
+                                  "finish_reason": event.reason}])]
+        if isinstance(event, Done) and self.call.include_usage:
+            return [self._chunk([], usage=self._usage(event), timings=event.timings)]
+        return []

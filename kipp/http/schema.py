@@ -1,0 +1,285 @@
+"""OpenAI request bodies -> validated Kipp calls, or an APIError naming the offending field.
+
+Every field a body may carry is listed here, per endpoint. A field that is not listed, or that
+asks for something Kipp does not do (echo, suffix, tools, response formats, best_of != n), is a
+400 naming it: never a silent ignore. Ranges follow OpenAI's (temperature 0..2, penalties
+-2..2, logit_bias -100..100, n <= 8, legacy logprobs 0..5, top_logprobs 0..20, at most 4 stop
+strings); top_k, min_p and repetition_penalty are Kipp's (llama.cpp-style) extensions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kipp.sampling import SamplingError, SamplingParams
+from kipp.scheduler import MAX_CHOICES, Request
+
+MAX_STOP_STRINGS = 4
+MAX_LEGACY_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                    "presence_penalty", "repetition_penalty", "logit_bias", "seed"}
+_COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user"} | \
+    _SAMPLING_FIELDS
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                "chat_template_kwargs"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """A parsed request: what the scheduler runs plus how the answer is shaped."""
+
+    endpoint: str  # "completions" or "chat"
+    request: Request
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # whether choices carry logprobs (the count is request.logprobs)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _integer(body: dict, name: str, low: int, high: int | None, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad(f"'{name}' must be an integer, got {type(value).__name__}", name)
+    if value < low or (high is not None and value > high):
+        limit = f"{low}..{high}" if high is not None else f">= {low}"
+        raise bad(f"'{name}' must be {limit}, got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float | None, default, *,
+            low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        left = "(" if low_open else "["
+        right = f"{high}]" if high is not None else "inf)"
+        raise bad(f"'{name}' must be in {left}{low}, {right}, got {value}", name)
+    return float(value)
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean, got {type(value).__name__}", name)
+    return value
+
+
+def _check_fields(body: dict, allowed: set[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"unsupported field '{unknown[0]}' for {endpoint}; Kipp accepts: "
+                  f"{', '.join(sorted(allowed))}", unknown[0], "unsupported_field")
+
+
+def _model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is None:
+        raise bad("'model' is required", "model")
+    if not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    if model != served:
+        raise APIError(404, f"model '{model}' is not served here; this server serves "
+                            f"'{served}'", "model", "model_not_found")
+
+
+def _sampling(body: dict) -> SamplingParams:
+    bias = body.get("logit_bias")
+    pairs = {}
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise bad(f"'logit_bias[{key}]' must be a number in [-100, 100]", "logit_bias")
+            pairs[token] = float(value)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad("'seed' must be an integer", "seed")
+    try:
+        return SamplingParams(
+            temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+            top_p=_number(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
+            top_k=_integer(body, "top_k", 0, None, 0),
+            min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 0.0, None, 1.0,
+                                       low_open=True),
+            logit_bias=pairs,
+            seed=None if seed is None else seed % 2**64,
+        )
+    except SamplingError as e:
+        raise bad(str(e)) from None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' allows at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise bad("'stop' strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad("'stream_options' is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise bad(f"unsupported field 'stream_options.{unknown[0]}'", "stream_options")
+    return stream, _boolean(options, "include_usage", False)
+
+
+def _user(body: dict) -> None:
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("'user' must be a string", "user")
+
+
+def _prompt(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("'prompt' is required", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' is empty", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        bad_ids = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad_ids:
+            raise bad(f"'prompt' token id {bad_ids[0]} is outside the vocabulary "
+                      f"0..{tokenizer.vocab_size - 1}", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("'prompt' must be one prompt: batches of prompts are not supported; "
+                  "send one request per prompt (or use n for several completions)", "prompt")
+    raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+
+
+def parse_completion(body: Any, served: str, tokenizer) -> Call:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
+    _model(body, served)
+    if _boolean(body, "echo", False):
+        raise bad("'echo' is not supported", "echo", "unsupported_value")
+    if body.get("suffix") is not None:
+        raise bad("'suffix' is not supported", "suffix", "unsupported_value")
+    n = _integer(body, "n", 1, MAX_CHOICES, 1)
+    best_of = _integer(body, "best_of", 1, MAX_CHOICES, n)
+    if best_of != n:
+        raise bad("'best_of' other than n is not supported", "best_of", "unsupported_value")
+    logprobs = _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS, None)
+    stream, include_usage = _stream(body)
+    _user(body)
+    request = Request(prompt=tuple(_prompt(body, tokenizer)),
+                      max_tokens=_integer(body, "max_tokens", 1, None,
+                                          DEFAULT_COMPLETION_TOKENS),
+                      n=n, sampling=_sampling(body), stop=_stop(body), logprobs=logprobs)
+    return Call("completions", request, stream, include_usage, logprobs is not None)
+
+
+def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_length: int,
+               default_max_tokens: int) -> Call:
+    from kipp.chat import ChatError, render
+
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
+    _model(body, served)
+    if not has_template:
+        raise bad(f"'{served}' is a base checkpoint: it has no chat template; use "
+                  f"/v1/completions", "model", "no_chat_template")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list of messages", "messages")
+    thinking = True
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        unknown = sorted(set(kwargs) - {"enable_thinking"})
+        if unknown:
+            raise bad(f"unsupported chat template argument '{unknown[0]}'",
+                      "chat_template_kwargs")
+        thinking = _boolean(kwargs, "enable_thinking", True)
+    try:
+        text = render(messages, add_generation_prompt=True, enable_thinking=thinking)
+    except ChatError as e:
+        raise bad(f"'messages': {e}", "messages") from None
+    prompt = tokenizer.encode(text)
+    n = _integer(body, "n", 1, MAX_CHOICES, 1)
+    want = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, None)
+    if top is not None and not want:
+        raise bad("'top_logprobs' requires logprobs: true", "top_logprobs")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise bad("give either 'max_tokens' or 'max_completion_tokens', not both",
+                  "max_completion_tokens")
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    room = max(1, context_length - len(prompt))
+    max_tokens = _integer(body, name, 1, None, min(default_max_tokens, room))
+    stream, include_usage = _stream(body)
+    _user(body)
+    request = Request(prompt=tuple(prompt), max_tokens=max_tokens, n=n,
+                      sampling=_sampling(body), stop=_stop(body),
+                      logprobs=(top or 0) if want else None)
+    return Call("chat", request, stream, include_usage, want)

@@ -1,0 +1,222 @@
+"""The scheduler, driven step by step in-process on the reference backend (no thread, no HTTP).
+
+The oracle is Model.generate: one isolated session per prompt. Batched, chunked, prefix-adopting
+scheduling must give bitwise the same tokens for the same seed on the reference backend.
+"""
+
+import pytest
+
+from kipp.blocks import BLOCK_SIZE
+from kipp.model import load
+from kipp.registry import IM_END_ID
+from kipp.sampling import SamplingParams
+from kipp.scheduler import (Delta, Done, Failed, QueueFull, Request, Scheduler,
+                            SchedulerError, collect)
+
+TINY = "kipp-synthetic/qwen3-tiny"
+
+
+@pytest.fixture(scope="module")
+def model(artifacts):
+    return load(artifacts(TINY), backend="reference", kv_tokens=4096, progress=False)
+
+
+def prompts(model):
+    texts = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 6, "1 2 3 4",
+             "def add(a, b):\n    return a + b\n" * 3]
+    return [model.tokenizer.encode(t) for t in texts]
+
+
+def isolated(model, prompt, max_tokens, **sampling):
+    generation = model.generate(prompt, max_tokens, stream=True, **sampling)
+    text = "".join(generation)
+    return generation.stats.tokens, text, generation.stats.finish_reason
+
+
+def drive(scheduler, check_pool=True):
+    """run_until_idle, checking the pool's invariants after every step."""
+    pool = scheduler.model.pool
+    for _ in range(100_000):
+        if not scheduler._fifo and not scheduler._running:
+            break
+        scheduler.step()
+        if check_pool:
+            pool.check()
+    assert pool.num_in_use == 0 and pool.reserved == 0
+
+
+def test_batched_chunked_equals_isolated(model):
+    ps = prompts(model)
+    expected = [isolated(model, p, 12, temperature=1.0, seed=10 + i) for i, p in enumerate(ps)]
+    scheduler = Scheduler(model, prefill_chunk=13)  # chunks cross 32-token block boundaries
+    tickets = [scheduler.submit(Request(prompt=p, max_tokens=12,
+                                        sampling=SamplingParams(temperature=1.0, seed=10 + i)))
+               for i, p in enumerate(ps)]
+    drive(scheduler)
+    for ticket, (tokens, text, reason) in zip(tickets, expected):
+        got_tokens, got_texts, reasons, done = collect(ticket)
+        assert isinstance(done, Done)
+        assert got_tokens[0] == tokens and got_texts[0] == text and reasons[0] == reason
+        assert done.completion_tokens == len(tokens)
+
+
+def test_n_choices_share_the_prompt_and_sample_independently(model):
+    prompt = prompts(model)[1]  # 70+ tokens: two full blocks to share
+    scheduler = Scheduler(model)
+    ticket = scheduler.submit(Request(prompt=prompt, max_tokens=10, n=3,
+                                      sampling=SamplingParams(temperature=2.0, seed=5)))
+    drive(scheduler)
+    tokens, texts, reasons, done = collect(ticket)
+    # Choice 0 is the isolated stream of the seed; the others are their own streams.
+    assert tokens[0] == isolated(model, prompt, 10, temperature=2.0, seed=5)[0]
+    assert reasons == ["length"] * 3 and done.completion_tokens == 30
+    assert len({tuple(t) for t in tokens}) > 1, "choices drew identical samples"
+    shared = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert scheduler.counters["reused_tokens"] >= 2 * shared  # both followers adopted
+
+
+def test_finished_request_prefix_is_adopted(model):
+    long_prompt = model.tokenizer.encode("Kipp serves the Qwen3 family. " * 30)
+    scheduler = Scheduler(model)
+    first = scheduler.submit(Request(prompt=long_prompt, max_tokens=4))
+    drive(scheduler)
+    first_done = collect(first)[3]
+    second = scheduler.submit(Request(prompt=long_prompt + [11, 12], max_tokens=4))
+    drive(scheduler)
+    _, _, _, done = collect(second)
+    assert first_done.cached_tokens == 0
+    assert done.cached_tokens == len(long_prompt) // BLOCK_SIZE * BLOCK_SIZE
+    assert done.timings["cache_n"] == done.cached_tokens
+    assert done.timings["prompt_n"] == len(long_prompt) + 2 - done.cached_tokens
+    greedy = scheduler.submit(Request(prompt=long_prompt + [11, 12], max_tokens=6,
+                                      sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    assert collect(greedy)[0][0] == isolated(model, long_prompt + [11, 12], 6,
+                                             temperature=0)[0]
+
+
+def test_pool_pressure_delays_admission_and_every_request_completes(artifacts):
+    small = load(artifacts(TINY), backend="reference", kv_tokens=8 * BLOCK_SIZE,
+                 progress=False)
+    ps = [small.tokenizer.encode(f"request number {i} " * (i + 2)) for i in range(5)]
+    expected = [isolated(small, p, 40, temperature=0)[0] for p in ps]
+    scheduler = Scheduler(small, prefill_chunk=32)
+    tickets = [scheduler.submit(Request(prompt=p, max_tokens=40,
+                                        sampling=SamplingParams(temperature=0))) for p in ps]
+    peak_running = 0
+    while scheduler._fifo or scheduler._running:
+        scheduler.step()
+        small.pool.check()
+        peak_running = max(peak_running, len(scheduler._running))
+        assert small.pool.num_in_use <= small.pool.num_blocks
+    assert peak_running < len(ps), "the small pool should have held some requests back"
+    for ticket, tokens in zip(tickets, expected):
+        assert collect(ticket)[0][0] == tokens
+    assert small.pool.num_in_use == 0 and small.pool.reserved == 0
+
+
+def test_cancel_frees_blocks_and_leaves_others_intact(model):
+    ps = prompts(model)
+    scheduler = Scheduler(model)
+    keep = scheduler.submit(Request(prompt=ps[0], max_tokens=16,
+                                    sampling=SamplingParams(temperature=1.0, seed=3)))
+    doomed = scheduler.submit(Request(prompt=ps[3], max_tokens=200, n=2))
+    queued_and_cancelled = scheduler.submit(Request(prompt=ps[2], max_tokens=4))
+    queued_and_cancelled.cancel()
+    for _ in range(5):
+        scheduler.step()
+    assert doomed.first_token_at is not None
+    in_use_before = model.pool.num_in_use
+    doomed.cancel()
+    scheduler.step()
+    assert model.pool.num_in_use < in_use_before
+    drive(scheduler)
+    last = collect(doomed)[3]
+    assert isinstance(last, Failed) and last.cancelled
+    assert isinstance(collect(queued_and_cancelled)[3], Failed)
+    assert collect(keep)[0][0] == isolated(model, ps[0], 16, temperature=1.0, seed=3)[0]
+    assert scheduler.counters["cancelled"] == 2
+
+
+def test_stop_token_and_stop_string(model):
+    prompt = prompts(model)[0]
+    scheduler = Scheduler(model)
+    # A bias that makes <|im_end|> certain: the choice stops at once, with no text.
+    forced = scheduler.submit(Request(prompt=prompt, max_tokens=8,
+                                      sampling=SamplingParams(logit_bias={IM_END_ID: 100})))
+    drive(scheduler)
+    tokens, texts, reasons, done = collect(forced)
+    assert tokens == [[]] and texts == [""] and reasons == ["stop"]
+    assert done.completion_tokens == 0
+    _, text, _ = isolated(model, prompt, 12, temperature=0)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    ticket = scheduler.submit(Request(prompt=prompt, max_tokens=12, stop=(stop,),
+                                      sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    _, texts, reasons, _ = collect(ticket)
+    assert texts[0] == text[: text.index(stop)] and reasons == ["stop"]
+
+
+def test_logprobs_come_from_the_raw_logits(model):
+    prompt = prompts(model)[0]
+    scheduler = Scheduler(model)
+    ticket = scheduler.submit(Request(prompt=prompt, max_tokens=3, logprobs=3,
+                                      sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    deltas = [e for e in ticket if isinstance(e, Delta)]
+    lps = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token for lp in lps] == [t for d in deltas for t in d.tokens]
+    with model.session() as s:
+        logits = s.eval(prompt)[0]
+    from kipp.sampling import log_softmax
+
+    ref = log_softmax(logits)
+    assert lps[0].token == int(ref.argmax())
+    assert lps[0].logprob == pytest.approx(ref.max(), abs=1e-6)
+    assert [t for t, _ in lps[0].top] == list(ref.argsort()[::-1][:3])
+
+
+def test_rejections_name_the_limit(model):
+    scheduler = Scheduler(model, max_queue=2)
+    context = model.entry.context_length
+    with pytest.raises(SchedulerError, match="n must be"):
+        scheduler.submit(Request(prompt=(1, 2), max_tokens=4, n=9))
+    with pytest.raises(SchedulerError, match="exceeds the context length"):
+        scheduler.submit(Request(prompt=(1, 2), max_tokens=context))
+    with pytest.raises(SchedulerError, match="KV blocks"):
+        scheduler.submit(Request(prompt=(1, 2), max_tokens=context // 2, n=8))
+    with pytest.raises(SchedulerError, match="max_tokens"):
+        scheduler.submit(Request(prompt=(1, 2), max_tokens=0))
+    scheduler.submit(Request(prompt=(1, 2), max_tokens=1))
+    scheduler.submit(Request(prompt=(1, 2), max_tokens=1))
+    with pytest.raises(QueueFull):
+        scheduler.submit(Request(prompt=(1, 2), max_tokens=1))
+    drive(scheduler)
+
+
+def test_a_failing_eval_fails_its_batch_and_the_engine_keeps_serving(model, monkeypatch):
+    scheduler = Scheduler(model)
+    ticket = scheduler.submit(Request(prompt=prompts(model)[0], max_tokens=4))
+    real = model.backend.eval
+    monkeypatch.setattr(model.backend, "eval", lambda items: (_ for _ in ()).throw(
+        RuntimeError("device lost")))
+    drive(scheduler)
+    last = collect(ticket)[3]
+    assert isinstance(last, Failed) and "device lost" in last.message
+    monkeypatch.setattr(model.backend, "eval", real)
+    ticket = scheduler.submit(Request(prompt=prompts(model)[0], max_tokens=4,
+                                      sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    assert collect(ticket)[0][0] == isolated(model, prompts(model)[0], 4, temperature=0)[0]
+
+
+def test_engine_thread(model):
+    with Scheduler(model) as scheduler:
+        tickets = [scheduler.submit(Request(prompt=p, max_tokens=5,
+                                            sampling=SamplingParams(temperature=0)))
+                   for p in prompts(model)]
+        results = [collect(t) for t in tickets]
+    for p, (tokens, _, _, done) in zip(prompts(model), results):
+        assert isinstance(done, Done)
+        assert tokens[0] == isolated(model, p, 5, temperature=0)[0]
+    assert model.pool.num_in_use == 0
