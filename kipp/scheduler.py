@@ -169,6 +169,13 @@ class _Choice:
         self.stops = StopStrings(list(request.stop))
         self.state = "waiting" if index else "prefill"  # -> prefill -> decode -> done
         self.pending: int | None = None  # the sampled token the next step evaluates
+        # Greedy choices on a speculative scheduler verify prompt-lookup drafts (kipp.spec).
+        self.drafter = self.gate = None
+        if run.scheduler.speculative and request.sampling.is_greedy:
+            from kipp.spec import AdaptiveGate, PromptLookupDrafter
+
+            self.drafter, self.gate = PromptLookupDrafter(), AdaptiveGate()
+        self.draft: list[int] = []
         self.generated: list[int] = []
         self.held: list[int] = []  # tokens whose text the stop check still holds back
         self.held_logprobs: list[TokenLogprob] = []
@@ -177,7 +184,16 @@ class _Choice:
         if self.state == "prefill":
             prompt = self.run.ticket.request.prompt
             return list(prompt[self.session.length: self.session.length + chunk])
-        return [self.pending]
+        self.draft = []
+        if self.drafter is not None:
+            # Room: the draft's tokens must fit the session, and emitting all of them plus
+            # the model's own next token must not pass max_tokens.
+            room = min(self.session.remaining - 1,
+                       self.run.ticket.request.max_tokens - len(self.generated) - 1)
+            budget = min(self.gate.budget(), room)
+            if budget > 0:
+                self.draft = self.drafter.draft(self.session.tokens + [self.pending], budget)
+        return [self.pending] + self.draft
 
 
 class _Run:
@@ -208,11 +224,12 @@ class Scheduler:
     """The engine loop over one Model. Only the engine thread touches the model."""
 
     def __init__(self, model, max_batch: int = MAX_CHOICES, max_queue: int = 64,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative: bool = False):
         if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
             raise SchedulerError("max_batch, max_queue and prefill_chunk must be positive")
         self.model = model
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.speculative = speculative  # greedy requests verify prompt-lookup drafts
         self._fifo: deque[Ticket] = deque()
         self._running: list[_Run] = []
         self._cv = threading.Condition()
@@ -220,7 +237,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
-                             reused_tokens=0, generated_tokens=0, steps=0)
+                             reused_tokens=0, generated_tokens=0, steps=0, spec_drafted=0,
+                             spec_accepted=0)
 
     # -- caller side (any thread) -------------------------------------------------------------
 
@@ -331,7 +349,8 @@ class Scheduler:
         if not batch:
             return False
         try:
-            results = self.model.eval_batch([(c.session, tokens, 1) for c, tokens in batch])
+            results = self.model.eval_batch([(c.session, tokens, 1 + len(c.draft))
+                                             for c, tokens in batch])
         except Exception as e:  # sessions are unchanged (eval_batch); fail only this batch
             log.exception("batched eval failed")
             for run in {id(c.run): c.run for c, _ in batch}.values():
@@ -340,7 +359,10 @@ class Scheduler:
             return True
         self.counters["steps"] += 1
         for (choice, _), logits in zip(batch, results):
-            self._advance(choice, logits[0])
+            if choice.draft:
+                self._verify(choice, logits)
+            else:
+                self._advance(choice, logits[0])
         for run in [r for r in self._running if not r.live]:
             self._running.remove(run)
             self._finish(run)
@@ -430,10 +452,32 @@ class Scheduler:
             self.counters["reused_tokens"] += adopted
             follower.state = "prefill"
 
-    def _sample(self, choice: _Choice, logits: np.ndarray) -> None:
+    def _verify(self, choice: _Choice, rows: np.ndarray) -> None:
+        """Accept the draft up to the first row whose greedy token disagrees, plus that token;
+        roll the rejected draft's KV back. Each accepted token is emitted as a plain step
+        would, so stop tokens, stop strings and max_tokens cut in the same place."""
+        draft, session = choice.draft, choice.session
+        evaluated = session.length  # pending + draft are in the session now
+        matched = 0
+        for i, row in enumerate(rows):
+            # Row i's history is the session's tokens up to and including its own position.
+            history = session.tokens[: evaluated - len(draft) + i]
+            self._sample(choice, row, history)
+            if choice.state == "done" or i == len(draft) or choice.pending != draft[i]:
+                break
+            matched += 1
+        choice.gate.update(len(draft), matched)
+        self.counters["spec_drafted"] += len(draft)
+        self.counters["spec_accepted"] += matched
+        keep = evaluated - len(draft) + matched
+        if choice.state != "done" and keep < evaluated:
+            session.truncate(keep)
+
+    def _sample(self, choice: _Choice, logits: np.ndarray, history=None) -> None:
         run = choice.run
         request = run.ticket.request
-        token = choice.sampler.sample(logits, choice.session.tokens)
+        token = choice.sampler.sample(logits, choice.session.tokens if history is None
+                                      else history)
         if token in self.model.entry.stop_token_ids:
             return self._close_choice(choice, "stop")
         choice.generated.append(token)

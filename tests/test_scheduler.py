@@ -220,3 +220,34 @@ def test_engine_thread(model):
         assert isinstance(done, Done)
         assert tokens[0] == isolated(model, p, 5, temperature=0)[0]
     assert model.pool.num_in_use == 0
+
+
+def test_speculative_scheduler_emits_plain_greedy_tokens(model):
+    """Greedy choices verify prompt-lookup drafts inside the batched step; sampled ones in the
+    same batch decode plainly. Every stream equals its isolated plain generation."""
+    repetitive = model.tokenizer.encode("alpha beta gamma delta " * 12)
+    ps = [prompts(model)[0], repetitive]
+    greedy = [isolated(model, p, 24, temperature=0)[0] for p in ps]
+    # The model's greedy chain, then its first token again: the synthetic model follows the
+    # same chain from there, so the drafter's copy of it is accepted.
+    chain = greedy[0] + greedy[0][:1]
+    ps.append(chain)
+    greedy.append(isolated(model, chain, 24, temperature=0)[0])
+    sampled = isolated(model, ps[1], 12, temperature=1.0, seed=9)[0]
+    scheduler = Scheduler(model, speculative=True, prefill_chunk=64)
+    tickets = [scheduler.submit(Request(prompt=p, max_tokens=24,
+                                        sampling=SamplingParams(temperature=0))) for p in ps]
+    other = scheduler.submit(Request(prompt=ps[1], max_tokens=12,
+                                     sampling=SamplingParams(temperature=1.0, seed=9)))
+    stopped = scheduler.submit(Request(prompt=chain, max_tokens=24, stop=(
+        model.tokenizer.decode(greedy[-1][5:7]),), sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    for ticket, expected in zip(tickets, greedy):
+        tokens, _, reasons, done = collect(ticket)
+        assert tokens[0] == expected and reasons == ["length"]
+        assert done.completion_tokens == 24
+    assert collect(other)[0][0] == sampled
+    text = collect(stopped)[1][0]
+    full = model.tokenizer.decode(greedy[-1])
+    assert text == full[: full.index(model.tokenizer.decode(greedy[-1][5:7]))]
+    assert scheduler.counters["spec_accepted"] > 0, "no draft was ever accepted"
