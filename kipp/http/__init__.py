@@ -19,16 +19,19 @@ DEFAULT_THREADS = 96
 
 def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 8,
           max_queue: int = 64, prefill_chunk: int | None = None, threads: int = DEFAULT_THREADS,
-          model_name: str | None = None, chat_max_tokens: int | None = None) -> None:
+          model_name: str | None = None, chat_max_tokens: int | None = None,
+          speculative: bool = False) -> None:
     """Run the engine thread and the HTTP server until interrupted. `port` 0 picks a free port;
-    the line "kipp: serving MODEL on http://HOST:PORT" on stderr says which."""
+    the line "kipp: serving MODEL on http://HOST:PORT" on stderr says which. `speculative`
+    decodes greedy requests with prompt-lookup speculation (same tokens, fewer evals)."""
     import waitress
 
     from kipp.http.app import DEFAULT_CHAT_MAX_TOKENS
     from kipp.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 
     scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue,
-                          prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK)
+                          prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK,
+                          speculative=speculative)
     app = create_app(model, scheduler, model_name=model_name,
                      chat_max_tokens=chat_max_tokens or DEFAULT_CHAT_MAX_TOKENS)
     server = waitress.create_server(app, host=host, port=port, threads=threads,
@@ -38,7 +41,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
     name = model_name or model.entry.id
     print(f"kipp: serving {name} on http://{host}:{server.effective_port} "
           f"({model.backend.describe()}, batch {max_batch}, queue {max_queue}, "
-          f"{model.pool.num_blocks} KV blocks)", file=sys.stderr, flush=True)
+          f"{model.pool.num_blocks} KV blocks{', speculative' if speculative else ''})",
+          file=sys.stderr, flush=True)
     try:
         server.run()
     except KeyboardInterrupt:
