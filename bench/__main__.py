@@ -8,6 +8,8 @@
     interop   llama.cpp on Kipp's GGUF files vs Kipp's reference logits
     report    regenerate bench/README.md's tables and bench/throughput.png from the records
     campaign  the sized campaign for this machine: ceiling, run, ppl, interop, report
+    server    the server workloads (concurrent streaming clients, prefix-reuse TTFT) against
+              kipp serve, llama-cpp-python's server and vLLM's, same client (bench/server_bench.py)
 """
 
 from __future__ import annotations
@@ -222,6 +224,44 @@ def cmd_campaign(args) -> int:
     return status
 
 
+SERVER_QUICK = {"clients": "1,2", "rounds": 1, "warmup": 0, "max_tokens": 8,
+                "prompt_tokens": 16, "ttft_tokens": 256, "other_tokens": 64, "others": 1}
+
+
+def cmd_server(args, argv) -> int:
+    from bench import server_bench
+
+    if args.quick:  # a smoke run: small everything, records kept out of results/
+        for key, value in SERVER_QUICK.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        if args.results is None:
+            args.results = "/tmp/kipp-bench-server-quick"
+    defaults = {"clients": "1,2,4,8", "rounds": 3, "warmup": 1, "max_tokens": 64,
+                "prompt_tokens": 16, "ttft_tokens": 2000, "other_tokens": 500, "others": 3,
+                "results": str(RESULTS)}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    config = server_bench.ServerBenchConfig(
+        checkpoint=args.checkpoint, scheme=args.scheme, servers=_list(args.servers),
+        clients=[int(c) for c in _list(args.clients)], rounds=args.rounds, warmup=args.warmup,
+        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+        ttft_tokens=args.ttft_tokens, other_tokens=args.other_tokens, others=args.others,
+        kipp_backend=args.backend,
+        expect_paths={k: tuple(_list(v)) for k, v in
+                      _mapping(args.expect_path, "--expect-path").items()},
+        pythons=_mapping(args.python, "--python"), artifact=args.artifact, source=args.source,
+        threads=_threads(args.threads), kv_tokens=args.kv_tokens, max_batch=args.max_batch,
+        mode=args.mode, results=Path(args.results),
+        logs=Path(args.logs), ready_timeout=args.ready_timeout,
+        request_timeout=args.request_timeout, command=_command(argv))
+    paths = server_bench.run(config)
+    for path in paths:
+        print("\n".join(server_bench.summary_lines(path)))
+    return server_bench.exit_status(paths)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -276,6 +316,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--with", dest="with_", default="", help="optional engines: vllm,mlx_lm")
     p.add_argument("--python", action="append", metavar="ENGINE=PATH",
                    help="interpreter for an engine's worker (passed to run)")
+    p = sub("server", "server workloads: concurrent clients and prefix-reuse TTFT",
+            checkpoint=False, schemes=None, results=False)
+    p.add_argument("--model", "--checkpoint", dest="checkpoint", default=DEFAULT_CHECKPOINT,
+                   help="registry id (its artifact and HF folder come from `bench prepare`)")
+    p.add_argument("--scheme", default="bf16", help="Kipp's and llama.cpp's GGUF (vLLM: bf16)")
+    p.add_argument("--servers", default="kipp,llama_cpp,vllm",
+                   help="comma list of kipp, llama_cpp, llama_cpp_cache (llama_cpp.server "
+                        "with --cache True), vllm")
+    p.add_argument("--backend", default="jax", help="kipp serve --backend")
+    p.add_argument("--clients", default=None, help="concurrent clients, comma list (1,2,4,8)")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds (3)")
+    p.add_argument("--warmup", type=int, default=None, help="discarded rounds first (1)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per aggregate client (64)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="aggregate prompts (16)")
+    p.add_argument("--ttft-tokens", type=int, default=None, help="repeated prompt (2000)")
+    p.add_argument("--other-tokens", type=int, default=None, help="interleaved prompts (500)")
+    p.add_argument("--others", type=int, default=None, help="prompts between repeats (3)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke sizes (clients 1,2, one round, short prompts), results in /tmp")
+    p.add_argument("--mode", default="interleaved", choices=["interleaved", "sequential"])
+    p.add_argument("--expect-path", action="append", metavar="BACKEND=WORDS",
+                   help="accept a named Kipp path, e.g. jax=twin for JAX on a CPU")
+    p.add_argument("--python", action="append", metavar="SERVER=PATH",
+                   help="interpreter per server (default .venv, .venv-bench, .venv-vllm)")
+    p.add_argument("--artifact", help="GGUF for kipp and llama_cpp (default: the registry's)")
+    p.add_argument("--source", help="HF folder for vllm (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None, help="default: usable cores")
+    p.add_argument("--kv-tokens", type=int, default=None, help="kipp serve --kv-tokens")
+    p.add_argument("--max-batch", type=int, default=8, help="kipp --max-batch, vllm seqs")
+    p.add_argument("--results", default=None, help=f"default {RESULTS}")
+    p.add_argument("--logs", default="/tmp/kipp-bench-logs")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=1800.0)
     return parser
 
 
@@ -287,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in simple:
         return simple[args.command](args)
     return {"run": cmd_run, "ceiling": cmd_ceiling, "ppl": cmd_ppl,
-            "interop": cmd_interop}[args.command](args, argv)
+            "interop": cmd_interop, "server": cmd_server}[args.command](args, argv)
 
 
 if __name__ == "__main__":

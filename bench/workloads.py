@@ -8,14 +8,12 @@ turns an engine into a number. Runnable workloads today:
     prefill512    prefill of a 512-token prompt into an empty cache (tok/s to the last logits)
     prefill2048   the same at 2,048 tokens
 
-Registered but not runnable until the server and prefix-reuse issues land (`planned=True`):
+Registered here for their names and shapes, but measured against each engine's own HTTP
+server by `python -m bench server` (bench/server_bench.py), not by `run`'s in-process arms:
 
     server_aggregate   aggregate decode tok/s with 1/2/4/8 concurrent clients against each
-                       engine's own HTTP server (Kipp's, llama.cpp's, mlx-lm's)
+                       engine's own HTTP server (Kipp's, llama.cpp's, vLLM's)
     ttft_prefix        time to first token of a 2,000-token prompt sent twice (prefix reuse)
-
-A later issue adds one by writing its `measure` function and flipping `planned`; the
-orchestrator, records and report need no change.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ class Workload:
     params: Mapping[str, int] = field(default_factory=dict)
     unit: str = "tok/s"
     higher_is_better: bool = True
-    planned: bool = False  # registered for a later issue; not runnable yet
+    planned: bool = False  # not runnable by `bench run` (the server workloads: `bench server`)
 
     def with_params(self, **overrides) -> "Workload":
         """A copy with some parameters changed (unknown names are an error)."""
@@ -96,8 +94,8 @@ def get(name: str) -> Workload:
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
     if workload.planned:
-        raise ValueError(f"workload {name!r} is registered for a later issue and is not "
-                         f"runnable yet ({workload.description})")
+        raise ValueError(f"workload {name!r} ({workload.description}) is measured by "
+                         f"`python -m bench server`, not `run`")
     return workload
 
 

@@ -1,0 +1,100 @@
+"""The server benchmark's client against a live `kipp serve` on the tiny checkpoint: the records it
+writes pass the harness's schema, every number is positive, and every token count is exact.
+(The peers, llama.cpp's and vLLM's servers, are not part of the default run.)"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench/ is a directory of the repo, not an installed package
+    sys.path.insert(0, str(REPO))
+
+pytest.importorskip("flask")
+pytest.importorskip("waitress")
+pytest.importorskip("prometheus_client")
+
+from bench import records, server_bench  # noqa: E402
+
+TINY = "kipp-synthetic/qwen3-tiny"
+MAX_TOKENS = 4
+PROMPT_TOKENS = 16
+TTFT_TOKENS = 128
+OTHER_TOKENS = 32
+
+
+def test_prompt_book_gives_exact_distinct_prompts():
+    book = server_bench.PromptBook()
+    tokenizer = server_bench._tokenizer()
+    seen = set()
+    for k, length in enumerate((16, 16, 128, 500)):
+        prompt = book.get(("t", k), length)
+        ids = tokenizer.encode(prompt["text"])
+        assert len(ids) == length and tokenizer.decode(ids) == prompt["text"]
+        assert tuple(ids[:16]) not in seen
+        seen.add(tuple(ids[:16]))
+    assert book.get(("t", 0), 16) is book.get(("t", 0), 16)  # a name always gives its prompt
+    assert set(server_bench.end_token_ids()) >= {151643, 151645}
+
+
+def test_server_bench_against_kipp_serve(artifacts, tmp_path):
+    artifact = artifacts(TINY, "bf16")
+    config = server_bench.ServerBenchConfig(
+        checkpoint=TINY, scheme="bf16", servers=["kipp"], clients=[1, 2], rounds=1, warmup=0,
+        max_tokens=MAX_TOKENS, prompt_tokens=PROMPT_TOKENS, ttft_tokens=TTFT_TOKENS,
+        other_tokens=OTHER_TOKENS, others=1, kipp_backend="reference",
+        pythons={"kipp": sys.executable}, artifact=str(artifact), threads=2, kv_tokens=1024,
+        results=tmp_path / "results", logs=tmp_path / "logs", ready_timeout=120,
+        request_timeout=120, command="pytest")
+    paths = server_bench.run(config)
+    assert server_bench.exit_status(paths) == 0
+    loaded = {}
+    for path in paths:
+        record = json.loads(path.read_text())
+        assert records.validate(record) == []
+        loaded[record["workload"]["name"]] = record
+    assert set(loaded) == {"server_aggregate", "ttft_prefix"}
+
+    aggregate = loaded["server_aggregate"]
+    assert aggregate["type"] == "throughput" and aggregate["provenance"]["git"]
+    [server] = aggregate["servers"]
+    assert server["status"] == "ok" and server["spec"]["command"][2:4] == ["kipp.cli", "serve"]
+    assert server["describe"].startswith("reference")
+    assert server["versions"]["packages"]["kipp"]
+    assert server["exit_code"] is not None  # stopped
+    assert [a["arm"] for a in aggregate["arms"]] == ["kipp-reference/bf16 c=1",
+                                                      "kipp-reference/bf16 c=2"]
+    for arm, clients in zip(aggregate["arms"], (1, 2)):
+        assert arm["status"] == "ok", arm.get("reason")
+        assert arm["summary"]["n"] == 1 and arm["summary"]["median"] > 0
+        assert arm["peak_rss_bytes"] > 0
+        [run] = arm["runs"]
+        assert run["clients"] == clients and run["wall_s"] > 0 and run["value"] > 0
+        assert run["completion_tokens"] == clients * MAX_TOKENS
+        assert len(run["per_client"]) == clients
+        for client in run["per_client"]:
+            assert client["completion_tokens"] == MAX_TOKENS
+            assert client["count_source"] == "usage"
+            assert client["finish_reason"] == "length"  # the end tokens were banned
+            assert client["prompt_tokens"] == PROMPT_TOKENS
+            assert client["ttft_s"] > 0 and client["decode_tok_s"] > 0
+            assert client["last_token_s"] <= client["ended_s"]
+
+    ttft = loaded["ttft_prefix"]
+    arms = {a["params"]["phase"]: a for a in ttft["arms"]}
+    assert set(arms) == {"cold", "reused", "interleaved"}
+    for phase, arm in arms.items():
+        assert arm["status"] == "ok", arm.get("reason")
+        [run] = arm["runs"]
+        assert run["value"] > 0 and run["prompt_tokens"] == TTFT_TOKENS
+        assert run["completion_tokens"] == 1
+    assert arms["cold"]["runs"][0]["cached_tokens"] == 0
+    for phase in ("reused", "interleaved"):
+        run = arms[phase]["runs"][0]
+        assert run["cached_tokens"] > 0  # whole 32-token blocks of the earlier send
+        assert run["prefix_metrics_delta"]["kipp_prefix_reused_tokens_total"] == \
+            run["cached_tokens"]
+    [between] = arms["interleaved"]["runs"][0]["between"]
+    assert between["prompt_tokens"] == OTHER_TOKENS and between["cached_tokens"] == 0
