@@ -9,6 +9,7 @@ from pathlib import Path
 from kipp.errors import KippError
 
 SCHEME_NAMES = ("bf16", "q8_0", "affine4_gs32", "scale4_gs32")
+KV_SCHEME_NAMES = ("bf16", "q8_0")
 
 
 def _synthesize(args) -> None:
@@ -63,7 +64,8 @@ def _load(args):
     from kipp.model import load
 
     return load(args.model, backend=args.backend, scheme=args.scheme,
-                kv_tokens=getattr(args, "kv_tokens", None))
+                kv_tokens=getattr(args, "kv_tokens", None),
+                kv_scheme=getattr(args, "kv_scheme", "bf16"))
 
 
 def _sampling(args) -> dict:
@@ -73,7 +75,8 @@ def _sampling(args) -> dict:
 
 def _run(args) -> None:
     model = _load(args)
-    generation = model.generate(args.prompt, args.max_tokens, stream=True, **_sampling(args))
+    generation = model.generate(args.prompt, args.max_tokens, stream=True, speculative=args.spec,
+                                **_sampling(args))
     _stream(generation)
 
 
@@ -85,6 +88,10 @@ def _stream(generation) -> None:
     print(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} reused), prefill "
           f"{s.prefill_tokens_per_second:.1f} tok/s; {s.completion_tokens} generated, decode "
           f"{s.decode_tokens_per_second:.1f} tok/s; finish: {s.finish_reason}]", file=sys.stderr)
+    if s.spec is not None:
+        print(f"[spec: {s.spec.accepted}/{s.spec.drafted} draft tokens accepted "
+              f"({s.spec.acceptance_rate:.0%}); {s.spec.evals} decode evals for "
+              f"{s.decode_tokens} tokens]", file=sys.stderr)
 
 
 def _chat(args) -> None:
@@ -99,7 +106,7 @@ def _chat(args) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        generation = model.chat(messages, args.max_tokens, stream=True,
+        generation = model.chat(messages, args.max_tokens, stream=True, speculative=args.spec,
                                 enable_thinking=not args.no_think, **_sampling(args))
         _stream(generation)
         messages.append({"role": "assistant",
@@ -112,7 +119,19 @@ def _serve(args) -> None:
     model = _load(args)
     serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           prefill_chunk=args.prefill_chunk, threads=args.threads,
-          chat_max_tokens=args.chat_max_tokens)
+          chat_max_tokens=args.chat_max_tokens, speculative=args.spec)
+
+
+def _bench(args) -> int:
+    """`kipp bench ...` is `python -m bench ...` from the source checkout (bench/ is not part of
+    the installed package: it needs the repository and the peers' environments)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "__main__.py").is_file():
+        raise KippError("kipp bench runs from a source checkout of Kipp (bench/ beside kipp/); "
+                        "this installation has no bench/ folder")
+    return subprocess.call([sys.executable, "-m", "bench", *args.bench_args], cwd=root)
 
 
 def _gates(args) -> int:
@@ -147,9 +166,13 @@ def _add_model_arguments(p) -> None:
     p.add_argument("--backend", default="auto", help="auto, reference, mlx or jax")
     p.add_argument("--scheme", default="bf16", choices=SCHEME_NAMES,
                    help="weight scheme when MODEL is a registry id")
+    p.add_argument("--kv-scheme", default="bf16", choices=KV_SCHEME_NAMES,
+                   help="KV cache format: bf16, or q8_0 (~1.9x smaller, near-lossless)")
 
 
 def _add_sampling_arguments(p) -> None:
+    p.add_argument("--spec", action="store_true", help="greedy self-speculative decoding "
+                   "(prompt-lookup drafts; same output, fewer evals); needs --temperature 0")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -212,7 +235,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=96, help="HTTP worker threads")
     p.add_argument("--chat-max-tokens", type=int,
                    help="max_tokens of a chat request that gives none (default 1024)")
+    p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
+                   "requests (prompt-lookup drafts; same tokens, fewer evals)")
     p.set_defaults(run=_serve)
+
+    p = commands.add_parser("bench", help="the benchmark harness (python -m bench; "
+                            "see bench/README.md)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_bench)
 
     p = commands.add_parser("gates", help="correctness gates of an artifact vs its source")
     _add_model_arguments(p)
@@ -227,7 +257,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after it belongs to the harness's own parser
+        args = argparse.Namespace(run=_bench, bench_args=argv[1:])
+    else:
+        args = _parser().parse_args(argv)
     try:
         return args.run(args) or 0
     except KippError as e:

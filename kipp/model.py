@@ -29,6 +29,7 @@ from kipp.errors import KippError
 from kipp.registry import VOCAB_SIZE
 from kipp.sampling import Sampler, SamplingParams
 from kipp.session import Session, SessionError
+from kipp.spec import SpecConfig, SpecStats, SpeculativeDecoder
 from kipp.tokenizer import StreamingDetokenizer, Tokenizer
 
 BACKENDS = ("reference", "mlx", "jax")
@@ -98,8 +99,13 @@ def _choose_backend(name: str) -> tuple[str, str]:
     if jax_sees_gpu():
         return "jax", "auto: JAX sees a GPU"
     if sys.platform == "darwin" and platform.machine() == "arm64":
-        return "reference", "auto: Apple silicon, but the MLX backend is not built yet"
-    return "reference", "auto: no GPU for JAX and no MLX backend in this build"
+        from kipp.apple import mlx_usable
+
+        usable, why = mlx_usable()
+        if usable:
+            return "mlx", f"auto: Apple silicon with {why}"
+        return "reference", f"auto: Apple silicon, but {why} (pip install 'kipp[apple]')"
+    return "reference", "auto: no GPU for JAX and not Apple silicon (MLX's Metal kernels)"
 
 
 @dataclass
@@ -108,10 +114,12 @@ class GenerationStats:
     reused_tokens: int = 0  # prompt tokens whose KV was adopted from the block pool
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0  # time in single-token evals
+    decode_seconds: float = 0.0  # time in decode evals (one token, or a speculative verify)
     decode_evals: int = 0
+    decode_tokens: int = 0  # tokens picked from decode-eval logits (== decode_evals unless spec)
     finish_reason: str | None = None  # "stop" or "length"
     tokens: list[int] = field(default_factory=list)
+    spec: SpecStats | None = None  # drafted, accepted, evals: with speculative=True only
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -120,7 +128,7 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.decode_evals / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Model:
@@ -185,13 +193,15 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
                  stream: bool = False, stop: Sequence[str] | str | None = None,
-                 **sampling) -> "str | Generation":
+                 speculative: bool | SpecConfig = False, **sampling) -> "str | Generation":
         """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
         Generation: an iterator of text pieces whose `.stats` fill in as it runs. Sampling
         keywords are those of SamplingParams (temperature, top_p, top_k, min_p, penalties,
-        logit_bias, seed)."""
+        logit_bias, seed). `speculative=True` (greedy only: temperature=0 or top_k=1) emits
+        the same tokens in fewer evals (kipp.spec; a SpecConfig picks the drafter and gate);
+        `.stats.spec` counts its drafts."""
         generation = Generation(self, self.prompt_ids(prompt), max_tokens, stop,
-                                SamplingParams(**sampling))
+                                SamplingParams(**sampling), speculative=speculative)
         return generation if stream else "".join(generation)
 
     def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,
@@ -209,19 +219,28 @@ class Model:
 class Generation:
     """One streaming generation: iterate for text pieces; `stats` has counts and timings."""
 
-    def __init__(self, model: Model, prompt: list[int], max_tokens: int, stop, params):
+    def __init__(self, model: Model, prompt: list[int], max_tokens: int, stop, params,
+                 speculative: bool | SpecConfig = False):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         room = model.entry.context_length - len(prompt)
         if max_tokens > room:
             raise GenerationError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
                                   f"exceeds the context length {model.entry.context_length}")
+        if not isinstance(speculative, (bool, SpecConfig)):
+            raise GenerationError(f"speculative must be True, False or a kipp.spec.SpecConfig, "
+                                  f"got {speculative!r}")
+        if speculative and not params.is_greedy:
+            raise GenerationError("speculative decoding is greedy only: set temperature=0 (or "
+                                  "top_k=1); a sampled token cannot be verified against a draft")
         self.model = model
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.stops = StopStrings([stop] if isinstance(stop, str) else list(stop or []))
         self.sampler = Sampler(params)
-        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.speculative = SpecConfig() if speculative is True else speculative or None
+        self.stats = GenerationStats(prompt_tokens=len(prompt),
+                                     spec=SpecStats() if speculative else None)
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[str]:
@@ -238,8 +257,8 @@ class Generation:
             stats.reused_tokens = session.match_prefix(self.prompt)
             logits = session.eval(self.prompt[stats.reused_tokens:])[0]
             stats.prefill_seconds = time.perf_counter() - start
-            while True:
-                token = self.sampler.sample(logits, session.tokens)
+            for received, token in enumerate(self._tokens(session, logits)):
+                stats.decode_tokens = received  # every token after the first: decode logits
                 if token in model.entry.stop_token_ids:
                     stats.finish_reason = "stop"
                     break
@@ -254,14 +273,36 @@ class Generation:
                 if stats.completion_tokens == self.max_tokens:
                     stats.finish_reason = "length"
                     break
-                start = time.perf_counter()
-                logits = session.eval([token])[0]
-                stats.decode_seconds += time.perf_counter() - start
-                stats.decode_evals += 1
         if not self.stops.stopped:
             tail = self.stops.flush(detok.flush())
             if tail:
                 yield tail
+
+    def _tokens(self, session: Session, logits: np.ndarray) -> Iterator[int]:
+        """The picked tokens, one at a time; the caller stops consuming when generation ends."""
+        evaluate = self._timed(session)
+        if self.speculative:
+            config = self.speculative
+            decoder = SpeculativeDecoder(session, self.sampler.sample, drafter=config.drafter(),
+                                         gate=config.gate(), evaluate=evaluate,
+                                         history_matters=self.sampler.params.has_penalties)
+            decoder.stats = self.stats.spec
+            yield from decoder.tokens(logits, session.tokens, self.max_tokens)
+            return
+        while True:
+            token = self.sampler.sample(logits, session.tokens)
+            yield token
+            logits = evaluate([token], 1)[0]
+
+    def _timed(self, session: Session):
+        def evaluate(tokens: list[int], rows: int) -> np.ndarray:
+            start = time.perf_counter()
+            logits = session.eval(tokens, rows)
+            self.stats.decode_seconds += time.perf_counter() - start
+            self.stats.decode_evals += 1
+            return logits
+
+        return evaluate
 
 
 class StopStrings:

@@ -10,6 +10,8 @@ is allocated once. `eval` splits the items into rounds (kipp.cuda.rounds), runs 
 step per round with the slab donated (updated in place), and copies back only the requested
 logits rows. Steps are compiled ahead of time per shape bucket and cached; each compile is
 logged with its time, and `compile_log` keeps (bucket, seconds) for benchmarks and tests.
+`kv_scheme="q8_0"` keeps the slab as Q8_0 head-rows (kipp.kvquant: int8 and fp16 planes,
+136 bytes per row against BF16's 256), quantized in the step and dequantized in attention.
 If the Pallas kernels fail to compile on a GPU (the Triton lowering is deprecated upstream and
 may break on a newer JAX), the backend logs a warning, switches to the twins for good, and says
 so in `describe()`.
@@ -27,9 +29,9 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from kipp import kvquant
 from kipp.artifact import Artifact
 from kipp.backend import Backend, EvalItem
 from kipp.cuda import forward, layout, rounds, select
@@ -53,10 +55,11 @@ class JaxBackend(Backend):
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  weight_layout: str = "auto", mesh=None, device=None,
-                 max_round_tokens: int = MAX_ROUND_TOKENS):
+                 max_round_tokens: int = MAX_ROUND_TOKENS, kv_scheme: str = "bf16"):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
-        self.entry, self.scheme = entry, artifact.scheme
+        kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
+        self.entry, self.scheme, self.kv_scheme = entry, artifact.scheme, kv_scheme
         self.device = device or (None if mesh is not None else jax.devices()[0])
         platform = (mesh.devices.flat[0] if mesh is not None else self.device).platform
         self.choice = select.choose_path(path, "gpu" if platform in ("gpu", "cuda") else platform)
@@ -74,8 +77,6 @@ class JaxBackend(Backend):
 
     def _load(self, artifact: Artifact, platform: str) -> None:
         params = layout.prepare_weights(artifact, self.layout)
-        # XLA's CPU widens a whole BF16 buffer to float32 to scatter into it: keep the bits.
-        kv_dtype = jnp.uint16 if platform == "cpu" else jnp.bfloat16
         cos, sin = reference_ops.rope_tables(np.arange(self.entry.context_length),
                                              self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
@@ -89,8 +90,8 @@ class JaxBackend(Backend):
         else:
             self.params = layout.to_device(params, self.device)
             kv_sharding = replicated = self.device
-        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=_as_sharding(
-            kv_sharding))
+        zeros = jax.jit(lambda: layout.kv_zeros(shape, self.kv_scheme, platform),
+                        out_shardings=_as_sharding(kv_sharding))
         self.kv = tuple((zeros(), zeros()) for _ in range(self.entry.layers))
         self.rope = jax.device_put((cos, sin), replicated)
         self._replicated = replicated
@@ -99,8 +100,14 @@ class JaxBackend(Backend):
 
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
+        kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
-                f"{self.layout} weights, {self.scheme.name} artifact)")
+                f"{self.layout} weights, {self.scheme.name} artifact{kv})")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV slab bytes one token takes (all layers, K and V): 136 vs 256 per head-row."""
+        return kvquant.bytes_per_token(self.entry.layers, self.kv_scheme)
 
     @property
     def buckets(self) -> list[rounds.Bucket]:

@@ -1,7 +1,8 @@
 """Decode attention: one query per sequence over its paged KV, split along the context.
 
-`q [S, H, 128]`, one layer's slab `[blocks, 32, 8, 128]` BF16, `lengths [S]` (positions each
-query sees: its own position + 1; 0 for a padding sequence) and `block_tables [S, B]`.
+`q [S, H, 128]`, one layer's slab `[blocks, 32, 8, 128]` BF16 (or q8_0 planes, dequantized per
+tile: prefill_attention.kv_tile), `lengths [S]` (positions each query sees: its own position
++ 1; 0 for a padding sequence) and `block_tables [S, B]`.
 
 Kernel: Pallas, Triton lowering (the choice and why: kipp.cuda.quant_matmul's docstring). A
 decode step has few queries, so one program per (sequence, KV head) would leave most of a GPU
@@ -21,20 +22,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kipp.cuda.layout import widen_bf16
-from kipp.cuda.prefill_attention import HIGHEST, MASKED, SCALE, paged_attention_reference
+from kipp.cuda.prefill_attention import (HIGHEST, MASKED, SCALE, kv_refs, kv_tile,
+                                         paged_attention_reference)
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 
 def _decode_kernel(tables_ref,  # [S, B] int32 block tables
                    lengths_ref,  # [S] int32 visible positions per sequence
                    q_ref,  # [1, 1, rows, 128] float32: the group's query heads (padded)
-                   k_ref,  # [blocks, 32, 8, 128] bf16: one layer's K slab
-                   v_ref,  # [blocks, 32, 8, 128] bf16
-                   o_ref,  # [1, 1, 1, rows, 128] float32: unnormalised partial output
-                   m_ref,  # [1, 1, 1, rows] float32: running max of the scores
-                   l_ref,  # [1, 1, 1, rows] float32: softmax denominator
-                   *, blocks_per_split: int):
+                   *refs,  # kv_refs (one layer's K and V slab), then o_ref, m_ref, l_ref:
+                   # o [1, 1, 1, rows, 128] f32: unnormalised partial output; m [1, 1, 1, rows]
+                   # f32: running max of the scores; l [1, 1, 1, rows] f32: softmax denominator
+                   blocks_per_split: int):
+    *kv, o_ref, m_ref, l_ref = refs
     s, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = q_ref.shape[2]
     q = q_ref[0, 0, :, :]  # [rows, 128]
@@ -46,9 +46,7 @@ def _decode_kernel(tables_ref,  # [S, B] int32 block tables
 
     def block(j, carry):
         acc, m, l = carry
-        bid = tables_ref[s, j]
-        k = widen_bf16(k_ref[bid, :, h, :])  # [32, 128]
-        v = widen_bf16(v_ref[bid, :, h, :])
+        k, v = kv_tile(kv, tables_ref[s, j], h)  # [32, 128] each
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * SCALE
         scores = jnp.where(j * KV_BLOCK + offsets < length, scores, MASKED)  # [rows, 32]
         m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
@@ -66,11 +64,12 @@ def _decode_kernel(tables_ref,  # [S, B] int32 block tables
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "blocks_per_split"))
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
+def decode_attention(q: jax.Array, k_cache, v_cache, lengths: jax.Array,
                      block_tables: jax.Array, *, interpret: bool = False,
                      blocks_per_split: int = 16) -> jax.Array:
     """q [S, H, 128] f32 -> [S, H, 128] f32: attention over each sequence's first
-    `lengths[s]` positions of the paged slab (module docstring)."""
+    `lengths[s]` positions of the paged slab (module docstring); the caches are BF16 arrays
+    or QuantizedKV planes."""
     from jax.experimental.pallas import triton as pltriton
 
     s, h, d = q.shape
@@ -81,6 +80,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
     qg = jnp.pad(q.reshape(s, KV_HEADS, g, d), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, c: (0,) * a.ndim)  # noqa: E731
     part = (s, KV_HEADS, splits, rows)
+    slab = kv_refs(k_cache, v_cache)
     acc, m, l = pl.pallas_call(
         functools.partial(_decode_kernel, blocks_per_split=bps),
         out_shape=(jax.ShapeDtypeStruct(part + (d,), jnp.float32),
@@ -89,14 +89,14 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengt
         grid=(s, KV_HEADS, splits),
         in_specs=[whole(block_tables), whole(lengths),
                   pl.BlockSpec((1, 1, rows, d), lambda i, j, c: (i, j, 0, 0)),
-                  whole(k_cache), whole(v_cache)],
+                  *[whole(a) for a in slab]],
         out_specs=(pl.BlockSpec((1, 1, 1, rows, d), lambda i, j, c: (i, j, c, 0, 0)),
                    pl.BlockSpec((1, 1, 1, rows), lambda i, j, c: (i, j, c, 0)),
                    pl.BlockSpec((1, 1, 1, rows), lambda i, j, c: (i, j, c, 0))),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="kipp_decode_attention",
-    )(block_tables, lengths, qg, k_cache, v_cache)
+    )(block_tables, lengths, qg, *slab)
     return _merge_splits(acc, m, l)[:, :, :g].reshape(s, h, d)
 
 
@@ -109,8 +109,8 @@ def _merge_splits(acc, m, l):
     return total / jnp.maximum(denominator, 1e-30)
 
 
-def decode_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                               lengths: jax.Array, block_tables: jax.Array) -> jax.Array:
+def decode_attention_reference(q: jax.Array, k_cache, v_cache, lengths: jax.Array,
+                               block_tables: jax.Array) -> jax.Array:
     """The jax.numpy twin: the general paged attention with one query at position length-1."""
     out = paged_attention_reference(q[:, None], k_cache, v_cache, (lengths - 1)[:, None],
                                     block_tables)

@@ -9,7 +9,8 @@ final RMSNorm and the output head for the requested rows only.
 `Ops` decides how projections and attention run: Pallas kernels (GPU, or interpret mode in
 tests) or their jax.numpy twins. The KV slab is a tuple of per-layer (K, V) buffers, each
 `[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU, whose BF16 scatter widens the
-whole buffer to float32 and back), donated to the step so XLA updates it in place.
+whole buffer to float32 and back), or with the q8_0 KV scheme a `layout.QuantizedKV` pair of
+planes (kipp.kvquant's format), donated to the step so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import jax.numpy as jnp
 from kipp.cuda import decode_attention as decode_mod
 from kipp.cuda import prefill_attention as prefill_mod
 from kipp.cuda import quant_matmul as matmul_mod
-from kipp.cuda.layout import Linear, round_bf16, widen_bf16
+from kipp.cuda.layout import Linear, store_kv, widen_bf16
 from kipp.cuda.rounds import RoundArrays
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS, RMS_NORM_EPS
+from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops):
     v = ops.linear(h, p["v"]).reshape(t, KV_HEADS, HEAD_DIM)
     q = apply_rope(rms_norm(q, p["q_norm"]), cos, sin)                      # (3), (4)
     k = apply_rope(rms_norm(k, p["k_norm"]), cos, sin)
-    k_cache = _store(k_cache, k, r.slots)                                   # (5)
-    v_cache = _store(v_cache, v, r.slots)
+    k_cache = store_kv(k_cache, k, r.slots)                                 # (5)
+    v_cache = store_kv(v_cache, v, r.slots)
     grouped = q[r.query_index]                                              # [S, Tq, H, 128]
     attn = ops.attention(grouped, k_cache, v_cache, r)
     attn = attn.reshape(-1, q.shape[1] * HEAD_DIM)[r.token_query]           # [T, H * 128]
@@ -101,13 +102,3 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops):
 
 def _silu(x: jax.Array) -> jax.Array:
     return x / (1.0 + jnp.exp(-x))
-
-
-def _store(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Write rows [T, 8, 128] (rounded to BF16) at slab rows `slots`; out-of-range: dropped.
-
-    Indexed as (block, offset): scattering into a flattened view makes XLA's CPU copy the
-    whole donated buffer (measured: seconds per step on a large slab), this form stays in place.
-    """
-    return cache.at[slots // KV_BLOCK, slots % KV_BLOCK].set(round_bf16(new, cache.dtype),
-                                                             mode="drop")

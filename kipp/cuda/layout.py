@@ -33,14 +33,16 @@ whole by a step that updates one layer's slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kipp.artifact import Artifact, Tensor
+from kipp.kvquant import ROW_BLOCKS
 from kipp.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
+from kipp.registry import KV_BLOCK
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
@@ -140,3 +142,116 @@ def round_bf16(x: jax.Array, dtype) -> jax.Array:
     """float32 -> BF16 (round to nearest even) stored as `dtype`: bfloat16 or its uint16 bits."""
     b = x.astype(jnp.bfloat16)
     return jax.lax.bitcast_convert_type(b, jnp.uint16) if dtype == jnp.uint16 else b
+
+
+class QuantizedKV(NamedTuple):
+    """One layer's K (or V) slab in the q8_0 KV scheme (kipp.kvquant), as two planes.
+
+    q: int8 [blocks, 32, 8, 128]; d: fp16 scales [blocks, 32, 8, 4] (uint16 bits on XLA's CPU,
+    as for BF16). A BF16 slab is a plain array; code that handles both asks `isinstance`.
+    """
+
+    q: Any
+    d: Any
+
+
+def kv_zeros(shape: tuple[int, ...], scheme: str, platform: str):
+    """An empty K or V slab `[blocks, 32, 8, 128]` for `scheme` ("bf16" or "q8_0"), numpy-free
+    constructors only (the caller jits it onto its device or sharding)."""
+    bits = platform == "cpu"  # XLA's CPU widens a whole 16-bit float buffer to scatter into it
+    if scheme == "q8_0":
+        return QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(
+            shape[:-1] + (ROW_BLOCKS,), jnp.uint16 if bits else jnp.float16))
+    return jnp.zeros(shape, jnp.uint16 if bits else jnp.bfloat16)
+
+
+def widen_f16(x: jax.Array) -> jax.Array:
+    """fp16 (or its uint16 bit pattern) -> float32, exactly."""
+    if x.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.float16)
+    return x.astype(jnp.float32)
+
+
+def dequantize_kv(q: jax.Array, d: jax.Array) -> jax.Array:
+    """q8_0 KV rows: q int8 [..., 128], d fp16 [..., 4] -> float32 [..., 128], d * q (exact)."""
+    blocks = q.astype(jnp.float32).reshape(q.shape[:-1] + (ROW_BLOCKS, BLOCK))
+    return (blocks * widen_f16(d)[..., None]).reshape(q.shape)
+
+
+def kv_rows(cache, index) -> jax.Array:
+    """Rows `cache[index]` of a BF16 or q8_0 slab, as float32 [..., 128]."""
+    if isinstance(cache, QuantizedKV):
+        return dequantize_kv(cache.q[index], cache.d[index])
+    return widen_bf16(cache[index])
+
+
+def store_kv(cache, new: jax.Array, slots: jax.Array):
+    """Write float32 rows [T, 8, 128] at slab rows `slots` (block * 32 + offset), rounded to the
+    slab's format; out-of-range slots are dropped.
+
+    Indexed as (block, offset): scattering into a flattened view makes XLA's CPU copy the
+    whole donated buffer (measured: seconds per step on a large slab), this form stays in place.
+    """
+    where = (slots // KV_BLOCK, slots % KV_BLOCK)
+    if isinstance(cache, QuantizedKV):
+        q, d = quantize_kv(new)
+        d = d.astype(jnp.float16)
+        if cache.d.dtype == jnp.uint16:
+            d = jax.lax.bitcast_convert_type(d, jnp.uint16)
+        return QuantizedKV(cache.q.at[where].set(q, mode="drop"),
+                           cache.d.at[where].set(d, mode="drop"))
+    return cache.at[where].set(round_bf16(new, cache.dtype), mode="drop")
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 rows [..., 128] -> (q int8 [..., 128], d [..., 4] float32 holding fp16 values),
+    bitwise kipp.kvquant.quantize (that is, kipp.quant's q8_0 encoder) for finite input whose
+    block scales fit fp16 (|x| < 8.3e6; the numpy oracle raises beyond that).
+
+    Every step is exact in float32: the fp16 rounding of amax / 127 is settled by comparing amax
+    with 127 x the fp16 midpoints (12 + 7 significant bits), and each level by comparing |x| with
+    d x (k + 1/2) (11 + 8 bits), so no float32 rounding can pick another d or q than float64 does.
+    """
+    blocks = x.reshape(x.shape[:-1] + (ROW_BLOCKS, BLOCK))
+    mag = jnp.abs(blocks)
+    amax = jnp.max(mag, axis=-1, keepdims=True)  # [..., 4, 1]
+    d = _fp16_nearest(amax)
+    d = jnp.where(amax > 127.5 * d, _fp16_step(d, 1), d)  # quant._fp16_scale's bump
+    flat = d == 0
+    step = jnp.where(flat, 1.0, d)
+    level = jnp.clip(jnp.rint(mag / step), 0, 127)
+
+    def beyond_midpoint(k):  # |x| at or past the midpoint between levels k and k + 1
+        return mag >= d * (k + 0.5)
+
+    level = level + ((level < 127) & beyond_midpoint(level))  # ties away from zero
+    level = level - ((level > 0) & ~beyond_midpoint(level - 1))
+    level = jnp.where(flat, 0.0, level)
+    q = jnp.where(jnp.signbit(blocks), -level, level).astype(jnp.int8)
+    return q.reshape(x.shape), d[..., 0]
+
+
+def _fp16_step(d: jax.Array, n: int) -> jax.Array:
+    """The fp16 value n steps from non-negative fp16 values d (as float32), through the bits."""
+    bits = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint16).astype(jnp.int32)
+    bits = jnp.clip(bits + n, 0, 0x7C00).astype(jnp.uint16)  # 0x7C00: +inf
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _fp16_nearest(amax: jax.Array) -> jax.Array:
+    """fp16(amax / 127) correctly rounded (ties to even), as float32, for amax >= 0.
+
+    The float32 quotient rounds to an fp16 at most one step from the right one; the exact
+    midpoint tests then move it (float32 cannot represent amax / 127, but 127 x a midpoint it can).
+    """
+    d = (amax / 127).astype(jnp.float16).astype(jnp.float32)
+    up, down = _fp16_step(d, 1), _fp16_step(d, -1)
+
+    def even(v):
+        return (jax.lax.bitcast_convert_type(v.astype(jnp.float16), jnp.uint16) & 1) == 0
+
+    mid_up, mid_down = 127 * ((d + up) / 2), 127 * ((d + down) / 2)
+    d = jnp.where((amax > mid_up) | ((amax == mid_up) & even(up)), up,
+                  jnp.where((d > 0) & ((amax < mid_down) | ((amax == mid_down) & even(down))),
+                            down, d))
+    return d

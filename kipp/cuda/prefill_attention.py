@@ -12,6 +12,9 @@ program per (sequence, KV head, tile of `block_q` queries); it walks the sequenc
 to its last query's position with an online softmax (flash attention), loading each 32-position
 block's K and V tile through the block table. The group of query heads sharing the KV head is
 folded into the query tile (rows = queries x group), so each KV tile is read once per group.
+A q8_0 KV slab (kipp.kvquant) arrives as its int8 and fp16 planes; `kv_tile` dequantizes each
+[32, 128] tile (d * q in float32, exact) right after loading it, so the online softmax is the
+BF16 path's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kipp.cuda.layout import widen_bf16
+from kipp.cuda.layout import QuantizedKV, dequantize_kv, kv_rows, widen_bf16
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -30,13 +33,30 @@ SCALE = HEAD_DIM ** -0.5
 MASKED = -1e30  # a finite "minus infinity": fully masked padding rows stay finite
 
 
+def kv_refs(k_cache, v_cache) -> tuple:
+    """The slab arrays a kernel takes for one layer's K and V (see kv_tile)."""
+    if isinstance(k_cache, QuantizedKV):
+        return (k_cache.q, k_cache.d, v_cache.q, v_cache.d)
+    return (k_cache, v_cache)
+
+
+def kv_tile(refs, bid, h) -> tuple[jax.Array, jax.Array]:
+    """K and V tiles [32, 128] float32 of block `bid`, KV head `h`, from `kv_refs`' refs:
+    (k, v) [blocks, 32, 8, 128] bf16, or (k_q, k_d, v_q, v_d) with q int8 [blocks, 32, 8, 128]
+    and d fp16 [blocks, 32, 8, 4]."""
+    if len(refs) == 2:
+        return widen_bf16(refs[0][bid, :, h, :]), widen_bf16(refs[1][bid, :, h, :])
+    k_q, k_d, v_q, v_d = refs
+    return (dequantize_kv(k_q[bid, :, h, :], k_d[bid, :, h, :]),
+            dequantize_kv(v_q[bid, :, h, :], v_d[bid, :, h, :]))
+
+
 def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
                     pos_ref,  # [1, bq] int32: positions of this tile's queries (-1: padding)
                     q_ref,  # [1, bq, 1, g, 128] float32
-                    k_ref,  # [blocks, 32, 8, 128] bf16: one layer's K slab
-                    v_ref,  # [blocks, 32, 8, 128] bf16
-                    o_ref,  # [1, bq, 1, g, 128] float32
+                    *refs,  # kv_refs (one layer's K and V slab), then o_ref [1, bq, 1, g, 128]
                     ):
+    *kv, o_ref = refs
     s, h = pl.program_id(0), pl.program_id(1)
     bq, g = q_ref.shape[1], q_ref.shape[3]
     rows = bq * g
@@ -47,9 +67,7 @@ def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
 
     def block(j, carry):
         acc, m, l = carry
-        bid = tables_ref[s, j]
-        k = widen_bf16(k_ref[bid, :, h, :])  # [32, 128]
-        v = widen_bf16(v_ref[bid, :, h, :])
+        k, v = kv_tile(kv, tables_ref[s, j], h)  # [32, 128] each
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * SCALE
         scores = jnp.where(j * KV_BLOCK + offsets <= pos, scores, MASKED)  # [rows, 32]
         m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
@@ -67,10 +85,11 @@ def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_q"))
-def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                      query_pos: jax.Array, block_tables: jax.Array, *,
-                      interpret: bool = False, block_q: int = 16) -> jax.Array:
-    """q [S, Tq, H, 128] f32 -> [S, Tq, H, 128] f32 over the paged slab (module docstring)."""
+def prefill_attention(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
+                      block_tables: jax.Array, *, interpret: bool = False,
+                      block_q: int = 16) -> jax.Array:
+    """q [S, Tq, H, 128] f32 -> [S, Tq, H, 128] f32 over the paged slab (module docstring);
+    the caches are BF16 arrays or QuantizedKV planes."""
     from jax.experimental.pallas import triton as pltriton
 
     s, tq, h, d = q.shape
@@ -84,31 +103,33 @@ def prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     pos = jnp.pad(query_pos, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
     tile = pl.BlockSpec((1, bq, 1, gp, d), lambda i, j, t: (i, t, j, 0, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, t: (0,) * a.ndim)  # noqa: E731
+    slab = kv_refs(k_cache, v_cache)
     out = pl.pallas_call(
         _prefill_kernel,
         out_shape=jax.ShapeDtypeStruct(qg.shape, jnp.float32),
         grid=(s, KV_HEADS, tq_pad // bq),
         in_specs=[whole(block_tables), pl.BlockSpec((1, bq), lambda i, j, t: (i, t)), tile,
-                  whole(k_cache), whole(v_cache)],
+                  *[whole(a) for a in slab]],
         out_specs=tile,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="kipp_prefill_attention",
-    )(block_tables, pos, qg, k_cache, v_cache)
+    )(block_tables, pos, qg, *slab)
     return out[:, :tq, :, :g].reshape(s, tq, h, d)
 
 
-def paged_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                              query_pos: jax.Array, block_tables: jax.Array) -> jax.Array:
+def paged_attention_reference(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
+                              block_tables: jax.Array) -> jax.Array:
     """The jax.numpy twin: gather each sequence's blocks, mask causally, softmax, weigh V.
 
-    q [S, Tq, H, 128] f32; caches [blocks, 32, 8, 128] BF16 (or its uint16 bits);
-    query_pos [S, Tq] (-1: padding); block_tables [S, B] -> [S, Tq, H, 128] f32.
+    q [S, Tq, H, 128] f32; caches [blocks, 32, 8, 128] BF16 (or its uint16 bits), or
+    QuantizedKV planes; query_pos [S, Tq] (-1: padding); block_tables [S, B]
+    -> [S, Tq, H, 128] f32.
     """
     s, tq, h, d = q.shape
     positions = block_tables.shape[1] * KV_BLOCK
-    keys = widen_bf16(k_cache[block_tables]).reshape(s, positions, KV_HEADS, d)
-    values = widen_bf16(v_cache[block_tables]).reshape(s, positions, KV_HEADS, d)
+    keys = kv_rows(k_cache, block_tables).reshape(s, positions, KV_HEADS, d)
+    values = kv_rows(v_cache, block_tables).reshape(s, positions, KV_HEADS, d)
     qg = q.reshape(s, tq, KV_HEADS, h // KV_HEADS, d)
     scores = jnp.einsum("sqkgd,spkd->skgqp", qg, keys, precision=HIGHEST) * jnp.float32(SCALE)
     visible = jnp.arange(positions)[None, None, :] <= query_pos[:, :, None]  # [S, Tq, P]

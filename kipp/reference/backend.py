@@ -5,12 +5,13 @@ Per layer, in order: (1) RMSNorm; (2) Q, K, V projections; (3) per-head RMSNorm 
 residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the final RMSNorm and
 the output head (the embedding when tied) give 151,936 FP32 logits.
 
-K and V are rounded to BF16 when stored, exactly as the KV storage contract says, and attention
-always reads them back from the slab, for prompt and decode tokens alike, so a token's logits
-do not depend on whether its prefix was evaluated in this call, an earlier one, or another
-sequence whose blocks it adopted. Items of a batch share each weight chunk's conversion; every
-row's arithmetic is independent of the others (see ops.linear), so batched equals isolated
-bitwise.
+K and V are rounded to BF16 when stored, exactly as the KV storage contract says (or, with
+kv_scheme="q8_0", quantized to Q8_0 head-rows by kipp.kvquant and dequantized on read), and
+attention always reads them back from the slab, for prompt and decode tokens alike, so a
+token's logits do not depend on whether its prefix was evaluated in this call, an earlier one,
+or another sequence whose blocks it adopted. Items of a batch share each weight chunk's
+conversion; every row's arithmetic is independent of the others (see ops.linear), so batched
+equals isolated bitwise.
 """
 
 from __future__ import annotations
@@ -20,29 +21,36 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
+from kipp import kvquant
 from kipp.artifact import Artifact, LayerWeights
 from kipp.backend import Backend, EvalItem
+from kipp.errors import KippError
 from kipp.reference import ops
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 
 class ReferenceBackend(Backend):
-    """The numpy oracle. Weights stay in the mapped artifact; KV is one BF16 slab."""
+    """The numpy oracle. Weights stay in the mapped artifact; KV is one BF16 (or Q8_0) slab."""
 
     name = "reference"
 
-    def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16):
-        """`kv_dtype` float32 is a diagnostic only: with K/V unrounded the reference should
-        match an FP32 oracle to rounding noise, which shows the BF16 KV is the only gap."""
+    def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
+                 kv_scheme: str = "bf16"):
+        """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.kvquant). `kv_dtype` float32
+        is a diagnostic only: with K/V unrounded the reference should match an FP32 oracle to
+        rounding noise, which shows the BF16 KV is the only gap."""
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
+        kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
+        if kv_scheme != "bf16" and kv_dtype != ml_dtypes.bfloat16:
+            raise KippError("kv_dtype is a diagnostic of the bf16 KV scheme, not of q8_0")
         self.entry = entry
         self.weights = artifact.weights
         self.scheme = artifact.scheme
-        # [layer, block * 32 + offset, kv_head, 128]; np.zeros pages in lazily.
-        slab = (entry.layers, num_blocks * KV_BLOCK, KV_HEADS, HEAD_DIM)
-        self.k_cache = np.zeros(slab, kv_dtype)
-        self.v_cache = np.zeros(slab, kv_dtype)
+        self.kv_scheme = kv_scheme
+        slots = num_blocks * KV_BLOCK
+        self.k_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
+        self.v_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
         self._norms = [
             {name: getattr(layer, name).f32() for name in ("attn_norm", "q_norm", "k_norm",
                                                              "ffn_norm")}
@@ -51,7 +59,13 @@ class ReferenceBackend(Backend):
         self._output_norm = self.weights.output_norm.f32()
 
     def describe(self) -> str:
-        return f"reference (numpy, {self.scheme.name} weights)"
+        kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
+        return f"reference (numpy, {self.scheme.name} weights{kv})"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV slab bytes one token takes (all layers, K and V): 136 vs 256 per head-row."""
+        return self.entry.layers * 2 * KV_HEADS * self.k_cache.row_bytes
 
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
@@ -84,18 +98,18 @@ class ReferenceBackend(Backend):
         return x + ops.linear(ffn, layer.down)                              # (8), (9)
 
     def _attention(self, index, q, k, v, items, slots):
-        """Store this call's K/V (BF16), then attend every token over its visible positions."""
-        k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+        """Store this call's K/V (BF16 or Q8_0), then attend every token over its visible
+        positions."""
         out = np.empty((q.shape[0], q.shape[1] * HEAD_DIM), np.float32)
         row = 0
         for item in items:
             n = len(item.tokens)
             new = _slots(item, item.start_position, item.end_position)
-            k_cache[new] = k[row:row + n].astype(k_cache.dtype)
-            v_cache[new] = v[row:row + n].astype(v_cache.dtype)
+            self.k_cache.store(index, new, k[row:row + n])
+            self.v_cache.store(index, new, v[row:row + n])
             visible = _slots(item, 0, item.end_position)
-            keys = k_cache[visible].astype(np.float32)  # [positions, 8, 128]
-            values = v_cache[visible].astype(np.float32)
+            keys = self.k_cache.load(index, visible)  # [positions, 8, 128] float32
+            values = self.v_cache.load(index, visible)
             grouped = q[row:row + n].reshape(n, KV_HEADS, -1, HEAD_DIM)  # [n, 8, group, 128]
             for i in range(n):
                 p = item.start_position + i
@@ -112,6 +126,41 @@ class ReferenceBackend(Backend):
         logits = ops.linear(h, self.weights.output)
         splits = np.cumsum([item.logits_rows for item in items])[:-1]
         return [np.ascontiguousarray(part) for part in np.split(logits, splits)]
+
+
+class KVSlab:
+    """K (or V) of every layer, `[layer, block * 32 + offset, kv head, 128]`, in the slab's
+    storage: `values` (BF16), or for q8_0 the planes `q` (int8) and `d` (fp16, [..., 4]).
+    np.zeros pages in lazily."""
+
+    def __init__(self, layers: int, slots: int, scheme: str, dtype=ml_dtypes.bfloat16):
+        self.scheme = scheme
+        shape = (layers, slots, KV_HEADS, HEAD_DIM)
+        if scheme == "q8_0":
+            self.q = np.zeros(shape, np.int8)
+            self.d = np.zeros(shape[:-1] + (kvquant.ROW_BLOCKS,), np.float16)
+        else:
+            self.values = np.zeros(shape, dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one (token, KV head) row: 136 for q8_0, 256 for BF16."""
+        if self.scheme == "q8_0":
+            return kvquant.row_bytes("q8_0")
+        return HEAD_DIM * self.values.dtype.itemsize
+
+    def store(self, layer: int, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Write float32 rows [n, 8, 128] at `slots`, rounded to the slab's format."""
+        if self.scheme == "q8_0":
+            self.q[layer, slots], self.d[layer, slots] = kvquant.quantize(rows)
+        else:
+            self.values[layer, slots] = rows.astype(self.values.dtype)
+
+    def load(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """The rows at `slots` as float32 [n, 8, 128]."""
+        if self.scheme == "q8_0":
+            return kvquant.dequantize(self.q[layer, slots], self.d[layer, slots])
+        return self.values[layer, slots].astype(np.float32)
 
 
 def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:

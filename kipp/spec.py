@@ -1,0 +1,261 @@
+"""Greedy self-speculative decoding: prompt-lookup drafts, verified in one multi-row eval.
+
+    model.generate(prompt, 256, temperature=0, speculative=True)   # same text, fewer evals
+
+Each step a drafter proposes the tokens that followed the latest earlier occurrence of the
+sequence's last n tokens (prompt-lookup: no draft model). The step evaluates the last emitted
+token and the draft in ONE eval with a logits row per token, picks the greedy token after
+each row, and accepts the draft up to its first disagreement plus the model's own token there:
+1 to len(draft) + 1 tokens for one weight read. The KV of rejected draft tokens is rolled back
+with `Session.truncate`, so the session always holds exactly the accepted sequence.
+
+The emitted tokens are the plain greedy ones: every accepted token IS the greedy pick after
+its true prefix. Stop tokens, stop strings and max_tokens see the same tokens in the same
+order and cut them off in the same place (the caller consumes them one at a time). Logit bias
+and the history penalties are applied exactly: each row is picked with the history its position
+would have (prompt, emitted, draft before it). Only sampling (temperature > 0 with top_k != 1)
+is refused: a sampled token cannot be verified against a draft without changing the
+distribution. On backends whose multi-row logits are not bitwise the per-position ones (JAX:
+another compiled round, within 1e-4 NMSE), the two runs can part only at a numerical near-tie.
+
+A verify eval of n tokens costs more than a one-token eval (on XLA's CPU, measured at the
+0.6B shape: 4 rows ~2x, 16 rows ~2.8x one row), so `AdaptiveGate` drafts only when the
+acceptance it has seen makes the expected tokens per unit of cost beat plain decoding, picks
+the draft length that maximises it, and otherwise pauses drafting with an exponential backoff
+between probes: with drafts that are always wrong, almost every step is a plain one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from kipp.errors import KippError
+
+
+class SpecError(KippError, ValueError):
+    """A speculative-decoding setting out of range."""
+
+
+class Drafter(Protocol):
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens guessed to follow `tokens` (the whole sequence so far)."""
+
+
+class PromptLookupDrafter:
+    """Drafts the continuation of the latest earlier occurrence of the sequence's suffix.
+
+    Suffixes of max_ngram down to min_ngram tokens are tried, longest first. An index of every
+    n-gram's latest end position is extended as the sequence grows, so a draft costs O(new
+    tokens), not O(sequence). One drafter serves one growing sequence; a sequence that is not
+    an extension of the last one (shorter) rebuilds the index.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise SpecError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self._indexed = 0  # n-grams ending at positions < this are in the index
+
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+        length = len(tokens)
+        if length < self._indexed:
+            self._ends = {n: {} for n in self.sizes}
+            self._indexed = 0
+        self._index(tokens, length)
+        for n in self.sizes:
+            end = self._ends[n].get(tuple(tokens[length - n:])) if length > n else None
+            if end is not None:
+                return [int(t) for t in tokens[end:min(end + limit, length)]]
+        return []
+
+    def _index(self, tokens: Sequence[int], length: int) -> None:
+        """Index n-grams ending at positions [indexed, length): all but the current suffix."""
+        for end in range(max(self._indexed, 1), length):
+            for n in self.sizes:
+                if end >= n:
+                    self._ends[n][tuple(tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, length)
+
+
+@dataclass
+class AdaptiveGate:
+    """How many draft tokens to verify next (0: a plain step), from the acceptance so far.
+
+    The chance that a draft token is accepted, p, is a decaying average over verified draft
+    tokens (each accepted one a success, the first rejected one a failure). A draft of k
+    tokens then yields E(k) = (1 - p^(k+1)) / (1 - p) tokens for an eval costing
+    `verify_base + verify_per_token * (k + 1)` plain steps; the gate takes the k in `sizes`
+    with the best ratio when it beats 1 (plain decoding), else it pauses drafting for
+    `backoff` steps, then probes with the shortest draft; a failed probe doubles the pause (up
+    to max_pause), a paying draft resets it. Acceptance is rarely geometric (a copied run ends
+    at an edit, however long the draft), so k is also capped by the last verify: one size up
+    after a fully accepted draft, else the shortest size that would have held what was
+    accepted. Sizes are one less than a power of two, so a verify fills its compiled round
+    (kipp.cuda.rounds buckets token counts by powers of two).
+    The default costs are measured on the JAX backend on this project's CPU (module docstring);
+    where a 16-token eval costs about one token's (a GPU; not measured yet), pass
+    verify_base=1.0.
+    """
+
+    sizes: tuple[int, ...] = (3, 7, 15)
+    verify_base: float = 1.7
+    verify_per_token: float = 0.07
+    decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
+    max_pause: int = 32
+    successes: float = 3.0  # prior: p = 0.75, so a new sequence tries drafting at once
+    trials: float = 4.0
+    cap: int = field(default=7, init=False)  # longest draft the last verify supports
+    pause: int = field(default=0, init=False)
+    backoff: int = field(default=1, init=False)
+    probing: bool = field(default=False, init=False)
+
+    def __post_init__(self):
+        if not self.sizes or min(self.sizes) < 1:
+            raise SpecError(f"draft sizes must be positive, got {self.sizes}")
+        if self.verify_base <= 0 or self.verify_per_token < 0 or not 0 <= self.decay < 1:
+            raise SpecError("verify costs must be positive and decay within [0, 1)")
+
+    @property
+    def acceptance(self) -> float:
+        return self.successes / self.trials
+
+    def expected_gain(self, k: int) -> float:
+        """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0)."""
+        p = min(self.acceptance, 1 - 1e-9)
+        return (1 - p ** (k + 1)) / (1 - p) / (self.verify_base + self.verify_per_token * (k + 1))
+
+    def budget(self) -> int:
+        """Draft tokens to verify this step; 0 means a plain step. Call once per step."""
+        if self.pause > 0:
+            self.pause -= 1
+            self.probing = self.pause == 0
+            return 0
+        if self.probing:
+            return min(self.sizes)
+        best = max([k for k in self.sizes if k <= self.cap] or [min(self.sizes)],
+                   key=self.expected_gain)
+        if self.expected_gain(best) > 1.0:
+            return best
+        self._pause()
+        return 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record a verified draft: `accepted` of its `drafted` tokens matched."""
+        missed = int(accepted < drafted)
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + missed
+        larger = [k for k in self.sizes if k > drafted]
+        holding = [k for k in self.sizes if k > accepted]
+        self.cap = (min(larger, default=max(self.sizes)) if not missed
+                    else min(holding, default=max(self.sizes)))
+        if max(self.expected_gain(k) for k in self.sizes) > 1.0:
+            self.backoff, self.probing = 1, False
+        elif self.probing:
+            self.probing = False
+            self.backoff = min(2 * self.backoff, self.max_pause)
+            self._pause()
+
+    def _pause(self) -> None:
+        self.pause = self.backoff
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What `generate(..., speculative=SpecConfig(...))` drafts and gates with; each generation
+    calls the factories for its own (stateful) drafter and gate. `speculative=True` is
+    SpecConfig(): prompt-lookup drafts, the CPU-calibrated adaptive gate."""
+
+    drafter: Callable[[], Drafter] = PromptLookupDrafter
+    gate: Callable[[], AdaptiveGate] = AdaptiveGate
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of those, accepted
+    verify_evals: int = 0  # evals that verified a draft
+    plain_evals: int = 0  # one-token evals (no draft available or the gate said no)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def evals(self) -> int:
+        return self.verify_evals + self.plain_evals
+
+
+Pick = Callable[[np.ndarray, Sequence[int]], int]  # (logits row, history) -> greedy token
+Evaluate = Callable[[list[int], int], np.ndarray]  # (tokens, logits_rows) -> rows
+
+
+class SpeculativeDecoder:
+    """Yields one sequence's greedy tokens, verifying drafts (module docstring).
+
+    `evaluate(tokens, rows)` appends tokens to `session` and returns its last `rows` logits
+    rows (by default `session.eval`; Generation passes a timed one). `pick(row, history)` is
+    the deterministic greedy choice; `history_matters` says whether it reads the history
+    (penalties), which otherwise is not built per row.
+    """
+
+    def __init__(self, session, pick: Pick, *, drafter: Drafter | None = None,
+                 gate: AdaptiveGate | None = None, evaluate: Evaluate | None = None,
+                 history_matters: bool = False):
+        self.session = session
+        self.pick = pick
+        self.drafter = drafter if drafter is not None else PromptLookupDrafter()
+        self.gate = gate if gate is not None else AdaptiveGate()
+        self.evaluate = evaluate if evaluate is not None else session.eval
+        self.history_matters = history_matters
+        self.stats = SpecStats()
+
+    def tokens(self, logits: np.ndarray, history: Sequence[int], limit: int) -> Iterator[int]:
+        """The greedy tokens after `history` (whose last token's logits are `logits`, already
+        evaluated in the session), at most `limit`. The consumer may stop at any token; the
+        session then holds the sequence up to the token before it."""
+        sequence = list(history)
+        pending = [self._pick(logits, sequence, [], 0)]
+        produced = 0
+        while True:
+            for token in pending:
+                yield token
+                sequence.append(token)
+                produced += 1
+                if produced == limit:
+                    return
+            pending = self._step(sequence, room=limit - produced - 1)
+
+    def _step(self, sequence: list[int], room: int) -> list[int]:
+        """Evaluate the last token (and a draft); return the tokens accepted after it."""
+        start = self.session.length
+        if start != len(sequence) - 1:
+            raise SpecError(f"the session holds {start} tokens; the sequence's last token "
+                            f"should be the only one not evaluated ({len(sequence)} tokens)")
+        budget = min(self.gate.budget(), room)
+        draft = self.drafter.draft(sequence, budget) if budget > 0 else []
+        rows = self.evaluate([sequence[-1]] + draft, len(draft) + 1)
+        if not draft:
+            self.stats.plain_evals += 1
+            return [self._pick(rows[0], sequence, [], 0)]
+        accepted = []
+        for i, guess in enumerate(draft):
+            token = self._pick(rows[i], sequence, draft, i)
+            accepted.append(token)
+            if token != guess:
+                break
+        else:
+            accepted.append(self._pick(rows[len(draft)], sequence, draft, len(draft)))
+        matched = len(accepted) - 1
+        self.session.truncate(start + 1 + matched)  # drop the KV of rejected draft tokens
+        self.stats.verify_evals += 1
+        self.stats.drafted += len(draft)
+        self.stats.accepted += matched
+        self.gate.update(len(draft), matched)
+        return accepted
+
+    def _pick(self, row: np.ndarray, sequence: list[int], draft: list[int], i: int) -> int:
+        return self.pick(row, sequence + draft[:i] if self.history_matters else ())
