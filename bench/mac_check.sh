@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# MLXBackend on Apple silicon, in one command (about 20-30 minutes on an M-series Mac):
+#   1. the MLX test file with Metal on: its kernel tests (matvec, matmul, decode attention vs
+#      the twins and numpy) and the whole-model gates on the kernels run here, skipped on Linux;
+#   2. a table of every kernel vs its twin vs the numpy reference (NMSE and time);
+#   3. a table of the whole model on the kernels vs the reference backend, every weight scheme,
+#      BF16 and q8_0 KV;
+#   4. the twins forced on Metal (KIPP_MLX_TWINS=1) through the same whole-model gates;
+#   5. decode and prefill against mlx-lm on the same MLX build and the same weights (the
+#      Qwen3-0.6B-shaped synthetic checkpoint; mlx-lm's own 8-bit and 4-bit group-32 conversions
+#      for the quantized schemes) through the benchmark harness, which refuses to record a Kipp
+#      arm whose describe() does not say it ran the Metal kernels.
+# Then a summary table. Targets (issue 8): decode >= 1.1x mlx-lm, prefill >= 2x.
+#
+#   bash bench/mac_check.sh           # from anywhere; sets up .venv-mac on first use
+#
+# Each stage has a time limit and its own log, so a stage that fails or hangs still leaves the
+# others and the table. Logs go to $OUT or /tmp/kipp-mac-check; bench records to $LOGS/results.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+if [ "$(uname -s)-$(uname -m)" != "Darwin-arm64" ]; then
+  echo "mac_check: needs Apple silicon (this is $(uname -s) $(uname -m))" >&2
+  exit 2
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOGS="${OUT:-/tmp/kipp-mac-check}"
+VENV="${VENV:-.venv-mac}"
+CHECKPOINT=kipp-synthetic/qwen3-0.6b-shape
+SCHEMES=bf16,q8_0,affine4_gs32
+mkdir -p "$LOGS"
+START=$(date +%s)
+RESULTS=()
+
+# macOS has no coreutils `timeout`; perl's alarm does the same job.
+limit() { local seconds=$1; shift; perl -e 'alarm shift; exec @ARGV' "$seconds" "$@"; }
+
+stage() {  # stage NAME SECONDS command...: run with a limit, log, record PASS/FAIL
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (limit ${seconds}s, t=$(( $(date +%s) - START ))s)"
+  local began=$(date +%s)
+  limit "$seconds" "$@" 2>&1 | tee "$LOGS/$name.log"
+  local code=$?
+  local took=$(( $(date +%s) - began ))
+  if [ $code -eq 0 ]; then RESULTS+=("$name|PASS|${took}s")
+  else RESULTS+=("$name|FAIL (exit $code)|${took}s"); fi
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+# Kipp with MLX, pytest for the test file, mlx-lm for the peer arm (the dev extra's pinned
+# torch and JAX are not needed here: the synthetic checkpoints are generated with numpy).
+stage setup 900 bash -c "'$VENV/bin/pip' install --quiet --upgrade pip &&
+  '$VENV/bin/pip' install --quiet -e '.[apple]' pytest mlx-lm threadpoolctl"
+stage env 30 "$PY" -c "import mlx.core as mx, mlx_lm, platform
+print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__, platform.platform())
+print('metal', mx.metal.is_available(), mx.metal.device_info() if mx.metal.is_available() else '')"
+
+stage tests-metal 900 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_mlx_backend.py
+stage kernels 600 "$PY" -m bench.mac_check kernels
+stage gates-kernels 900 "$PY" -m bench.mac_check gates
+stage gates-twins 600 env KIPP_MLX_TWINS=1 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_mlx_backend.py -k "test_mlx_matches_reference or scrambled or batched"
+
+stage prepare 1200 "$PY" -m bench prepare --checkpoint "$CHECKPOINT" --schemes "$SCHEMES" --mlx
+stage bench 1800 "$PY" -m bench run --checkpoint "$CHECKPOINT" --engines kipp --with mlx_lm \
+  --backends mlx --schemes "$SCHEMES" --workloads decode,prefill512,prefill2048 \
+  --runs 5 --warmup 1 --decode-tokens 128 --results "$LOGS/results"
+
+echo
+echo "== summary ($(( $(date +%s) - START ))s; logs in $LOGS)"
+printf '%-16s %-16s %s\n' stage result time
+for row in "${RESULTS[@]}"; do
+  IFS='|' read -r name result took <<< "$row"
+  printf '%-16s %-16s %s\n' "$name" "$result" "$took"
+done
+echo
+echo "kernel vs twin vs reference:"; grep -E "kernel rows|FAIL" "$LOGS/kernels.log" || true
+echo "whole model on the kernels:"; tail -n 17 "$LOGS/gates-kernels.log" || true
+echo "Kipp (mlx, Metal kernels) vs mlx-lm, same weights, same session:"
+sed -n '/^decode: /,$p' "$LOGS/bench.log" || true  # bench's summary: medians, MADs, ratios
+for row in "${RESULTS[@]}"; do
+  case "$row" in *FAIL*) exit 1 ;; esac
+done

@@ -1,0 +1,197 @@
+"""MLXBackend: Kipp's backend on MLX. Metal kernels on Apple silicon, MLX-op twins elsewhere.
+
+    backend = MLXBackend(open_artifact("tiny.gguf"), num_blocks=64)  # or kipp.load(..., "mlx")
+    backend.describe()  # 'mlx (MLX-op twins on cpu: no Metal device (...); f32 weights from
+                        #  the bf16 artifact, 2 CPU streams)'
+    [logits] = backend.eval([EvalItem((9707, 11, 1879), 0, (5, 2))])
+
+At load the path is chosen once (kipp.apple.select), the weights are prepared once in that
+path's layout (kipp.apple.linear.prepare: BF16 planes and the artifact's quantized planes for
+the kernels; float32 and MLX's affine repack for the twins, never widened for quantized
+schemes) and the KV slab is allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits
+the items into rounds (kipp.cuda.rounds' planner: one piece of each item per round, at most
+`max_round_tokens` tokens), builds one lazy MLX graph per round, evaluates the requested logits
+rows together with the slab, and copies the logits to numpy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+
+from kipp.apple import select
+from kipp.artifact import Artifact
+from kipp.backend import Backend, EvalItem
+from kipp.cuda.rounds import Piece, plan_rounds
+from kipp.errors import KippError
+from kipp.reference import ops as reference_ops
+from kipp.registry import KV_BLOCK, VOCAB_SIZE
+
+try:  # kipp.model imports make_backend on any machine; MLX itself may be missing
+    import mlx.core as mx
+
+    from kipp.apple import forward, linear
+    from kipp.apple.kvcache import KVSlab
+except ImportError as e:
+    _MLX_MISSING: ImportError | None = e
+else:
+    _MLX_MISSING = None
+
+log = logging.getLogger("kipp.apple")
+
+MAX_ROUND_TOKENS = 512  # bounds a round's activations and attention scores
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
+
+_STREAMS: dict[int, tuple] = {}  # CPU streams, shared by every backend in the process
+
+
+class MLXBackend(Backend):
+    """Qwen3 on MLX (see module docstring). Not thread-safe: one caller at a time."""
+
+    name = "mlx"
+
+    def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
+                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS):
+        entry = artifact.entry
+        super().__init__(num_blocks, entry.context_length)
+        if max_round_tokens < 1:
+            raise KippError(f"max_round_tokens must be positive, got {max_round_tokens}")
+        self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
+        self.choice = select.choose_path(path)
+        gpu = mx.default_device() == mx.gpu
+        self.device = "gpu" if gpu else "cpu"
+        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)))
+        self.max_round_tokens = max_round_tokens
+        self.kv_scheme = kv_scheme
+        start = time.perf_counter()
+        self.weights = _prepare(artifact, self.choice.kernels, len(self.ops.streams))
+        slots = num_blocks * KV_BLOCK
+        self.k_cache = KVSlab(entry.layers, slots, kv_scheme)
+        self.v_cache = KVSlab(entry.layers, slots, kv_scheme)
+        log.info("%s (weights prepared in %.1f s)", self.describe(), time.perf_counter() - start)
+
+    def describe(self) -> str:
+        if self.choice.kernels:
+            layout = f"{self.scheme.name} weights as stored"
+        elif self.scheme.name == "bf16":
+            layout = "f32 weights from the bf16 artifact"
+        else:
+            layout = f"{self.scheme.name} weights as MLX affine group-32"
+        streams = len(self.ops.streams)
+        where = f", {streams} CPU streams" if self.device == "cpu" and streams > 1 else ""
+        kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
+        return (f"mlx ({self.choice.label} on {self.device}: {self.choice.reason}; "
+                f"{layout}{where}{kv})")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of prepared weights (projections, head, norms)."""
+        return sum(a.nbytes for a in _arrays(self.weights))
+
+    def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
+        self.check(items)
+        outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
+        for pieces in plan_rounds(items, self.max_round_tokens):
+            r, dests = self._pack(items, pieces)
+            logits = forward.step(self.weights, self.k_cache, self.v_cache, r, self.ops)
+            mx.eval(logits, *self.k_cache.arrays(), *self.v_cache.arrays())
+            if dests:
+                host = np.asarray(logits)
+                for row, (item, index) in enumerate(dests):
+                    outputs[item][index] = host[row]
+        return outputs
+
+    def _pack(self, items: Sequence[EvalItem], pieces: Sequence[Piece]):
+        """The one place items become MLX arrays: (Round, [(item, output row)] per logits row)."""
+        tokens, positions, slots, spans, rows, dests = [], [], [], [], [], []
+        row = 0
+        for p in pieces:
+            item = items[p.item]
+            n = p.stop - p.start
+            pos = np.arange(item.start_position + p.start, item.start_position + p.stop)
+            visible = _slots(item, 0, item.start_position + p.stop)
+            tokens.append(np.asarray(item.tokens[p.start:p.stop], np.int64))
+            positions.append(pos)
+            slots.append(visible[pos])
+            spans.append((row, n, visible))
+            first = len(item.tokens) - item.logits_rows
+            for t in range(max(p.start, first), p.stop):
+                rows.append(row + t - p.start)
+                dests.append((p.item, t - first))
+            row += n
+        tokens, positions = np.concatenate(tokens), np.concatenate(positions)
+        cos, sin = reference_ops.rope_tables(positions, self.entry.rope_theta)
+        x = self.artifact.weights.token_embd.bf16()[tokens].astype(np.float32)
+        r = forward.Round(
+            x=mx.array(x), cos=mx.array(cos), sin=mx.array(sin),
+            slots=forward.as_int32(np.concatenate(slots)),
+            pieces=[(start, n, forward.as_int32(v)) for start, n, v in spans],
+            logit_rows=forward.as_int32(rows if rows else [0]),
+            decode_only=all(n == 1 for _, n, _ in spans))
+        if r.decode_only and self.choice.kernels:
+            blocks = [-(-len(v) // KV_BLOCK) for _, _, v in spans]
+            tables = np.zeros((len(pieces), max(blocks)), np.int32)  # 0-padded: never read
+            for s, (p, used) in enumerate(zip(pieces, blocks)):
+                tables[s, :used] = items[p.item].block_table[:used]
+            r.tables = mx.array(tables)
+            r.lengths = forward.as_int32([len(v) for _, _, v in spans])
+        return r, dests
+
+
+def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
+    """Physical slab rows of positions [start, stop) through the item's block table."""
+    positions = np.arange(start, stop)
+    table = np.asarray(item.block_table, np.int64)
+    return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
+
+
+def _prepare(artifact: Artifact, kernels: bool, n_shards: int) -> forward.Weights:
+    """Kernels: the seven projections as stored ("q" ... "down"). Twins: "qkv" stacked, "o",
+    and "ffn" split tensor-parallel over the streams (kipp.apple.linear)."""
+    w = artifact.weights
+    layers = []
+    for layer in w.layers:
+        if kernels:
+            params = {name: linear.prepare(getattr(layer, name), True) for name in PROJECTIONS}
+        else:
+            params = {"qkv": linear.prepare_twin([layer.q, layer.k, layer.v], n_shards),
+                      "o": linear.prepare_twin([layer.o], n_shards),
+                      "ffn": linear.prepare_ffn_twin(layer.gate, layer.up, layer.down, n_shards)}
+        params.update({name: mx.array(getattr(layer, name).f32()) for name in NORMS})
+        layers.append(params)
+    head = linear.prepare(w.output, kernels, n_shards)
+    weights = forward.Weights(layers, mx.array(w.output_norm.f32()), head)
+    mx.eval(_arrays(weights))
+    return weights
+
+
+def _arrays(w: forward.Weights) -> list[mx.array]:
+    out = [w.output_norm] + w.head.arrays()
+    for params in w.layers:
+        for value in params.values():
+            out += [value] if isinstance(value, mx.array) else value.arrays()
+    return out
+
+
+def _streams(n: int) -> tuple:
+    """n CPU streams (each its own thread), created once per process; (None,) for one."""
+    if n <= 1:
+        return (None,)
+    if n not in _STREAMS:
+        _STREAMS[n] = tuple(mx.new_stream(mx.cpu) for _ in range(n))
+    return _STREAMS[n]
+
+
+def make_backend(artifact: Artifact, num_blocks: int, **options) -> MLXBackend:
+    """The constructor kipp.model uses; raises KippError when MLX is unusable."""
+    if _MLX_MISSING is not None:
+        raise KippError(f"the MLX backend needs the mlx package (pip install 'kipp[apple]', or "
+                        f"'mlx[cpu]' off Apple silicon): {_MLX_MISSING}") from _MLX_MISSING
+    try:
+        return MLXBackend(artifact, num_blocks, **options)
+    except RuntimeError as e:
+        raise KippError(f"the MLX backend could not start: {e}") from e

@@ -1,0 +1,126 @@
+"""Qwen3's forward pass on MLX for one packed round, and the dispatcher between kernels and twins.
+
+The nine steps of kipp.reference in order, float32 activations: (1) RMSNorm; (2) Q, K, V
+projections; (3) per-head RMSNorm on Q and K; (4) RoPE (rotate-half, the reference's own float64
+angle tables); (5) store this round's K and V in the slab, then causal GQA over the paged
+slab, per piece; (6) output projection and residual; (7) RMSNorm; (8) down(SiLU(gate(x)) *
+up(x)); (9) residual. Then the final RMSNorm and the output head for the requested rows only.
+
+A round packs one piece (a prefill chunk or a decode token) of each item: every projection
+runs once over all the round's tokens, so the weights are read once per step for every
+sequence in it. MLX is lazy: `step` only builds the graph; the backend evaluates the logits
+and the slab together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from kipp.apple import attention, linear
+from kipp.apple.kvcache import KVSlab
+from kipp.apple.linear import Linear
+from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
+
+
+@dataclass
+class Ops:
+    """How projections and attention run: Metal kernels or MLX-op twins (kipp.apple.select)."""
+
+    kernels: bool
+    streams: tuple = (None,)  # twin projections: one shard per stream
+
+    def linear(self, x: mx.array, w: Linear) -> mx.array:
+        if self.kernels:
+            return linear.linear_kernel(x, w)
+        return linear.linear_twin(x, w, self.streams)
+
+    def qkv(self, h: mx.array, p: dict) -> tuple[mx.array, mx.array, mx.array]:
+        """Q [T, H * 128], K and V [T, 8 * 128]: three kernel calls, or one stacked twin."""
+        if self.kernels:
+            return self.linear(h, p["q"]), self.linear(h, p["k"]), self.linear(h, p["v"])
+        qkv = self.linear(h, p["qkv"])
+        kv = KV_HEADS * HEAD_DIM
+        return mx.split(qkv, [qkv.shape[-1] - 2 * kv, qkv.shape[-1] - kv], axis=-1)
+
+    def ffn(self, h: mx.array, p: dict) -> mx.array:
+        """down(SiLU(gate(h)) * up(h))."""
+        if self.kernels:
+            gate = self.linear(h, p["gate"])
+            return self.linear(gate / (1.0 + mx.exp(-gate)) * self.linear(h, p["up"]), p["down"])
+        return linear.ffn_twin(h, p["ffn"], self.streams)
+
+    def attention(self, q, k: KVSlab, v: KVSlab, layer: int, r: "Round") -> mx.array:
+        """q [T, H, 128] of the round -> [T, H * 128]."""
+        if self.kernels and r.decode_only:
+            planes = k.kernel_planes(layer) + v.kernel_planes(layer)
+            return attention.decode_attention(q, planes, r.tables, r.lengths, k.scheme)
+        outs = []
+        for row, n, visible in r.pieces:
+            keys, values = k.rows(layer, visible), v.rows(layer, visible)
+            outs.append(attention.attention_twin(q[row:row + n], keys, values))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+@dataclass
+class Round:
+    """One round's inputs as MLX arrays (built by kipp.apple.backend.pack_round)."""
+
+    x: mx.array  # [T, hidden] float32 embeddings
+    cos: mx.array  # [T, 128]
+    sin: mx.array  # [T, 128]
+    slots: mx.array  # [T] int32: slab rows this round's K/V go to
+    pieces: list  # (first token row, tokens, visible slots int32 [P]) per piece
+    logit_rows: mx.array  # [R] int32 token rows whose logits are returned
+    decode_only: bool  # every piece is one token (the decode kernel's case)
+    tables: mx.array | None = None  # [S, B] int32, decode rounds only
+    lengths: mx.array | None = None  # [S] int32, decode rounds only
+
+
+@dataclass
+class Weights:
+    layers: list  # per layer: norms, and Linear / SplitFFN weights (backend._prepare's keys)
+    output_norm: mx.array
+    head: Linear
+
+
+def rms_norm(x: mx.array, weight: mx.array) -> mx.array:
+    return mx.fast.rms_norm(x, weight, RMS_NORM_EPS)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x [T, heads, 128]; cos, sin [T, 128]: rotate-half (NEOX) pairs (i, i + 64)."""
+    half = HEAD_DIM // 2
+    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def step(w: Weights, k: KVSlab, v: KVSlab, r: Round, ops: Ops) -> mx.array:
+    """The round's logits [R, vocab] float32 (lazy); stores the round's K/V in the slabs."""
+    x = r.x
+    for index, layer in enumerate(w.layers):
+        x = _layer(index, layer, x, k, v, r, ops)
+    h = rms_norm(x[r.logit_rows], w.output_norm)
+    return ops.linear(h, w.head)
+
+
+def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops):
+    t = x.shape[0]
+    h = rms_norm(x, p["attn_norm"])                                             # (1)
+    q, kk, vv = ops.qkv(h, p)                                                   # (2)
+    q = q.reshape(t, -1, HEAD_DIM)                                              # [T, H, 128]
+    kk, vv = kk.reshape(t, KV_HEADS, HEAD_DIM), vv.reshape(t, KV_HEADS, HEAD_DIM)  # [T, 8, 128]
+    q = apply_rope(rms_norm(q, p["q_norm"]), r.cos, r.sin)                      # (3), (4)
+    kk = apply_rope(rms_norm(kk, p["k_norm"]), r.cos, r.sin)
+    k.store(index, kk, r.slots)                                                 # (5)
+    v.store(index, vv, r.slots)
+    attn = ops.attention(q, k, v, index, r)                                     # [T, H * 128]
+    x = x + ops.linear(attn, p["o"])                                            # (6)
+    h = rms_norm(x, p["ffn_norm"])                                              # (7)
+    return x + ops.ffn(h, p)                                                    # (8), (9)
+
+
+def as_int32(values) -> mx.array:
+    return mx.array(np.asarray(values, np.int32))

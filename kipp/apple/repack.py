@@ -1,0 +1,150 @@
+"""Kipp's quantized blocks rearranged, once at load and in numpy, for MLX's two consumers.
+
+Both layouts are exact images of the artifact's values; nothing is widened to float.
+
+**MLX affine, group 32** (the twins' `mx.quantized_matmul`). MLX decodes w = scale * q + bias
+per 32-weight group, q unsigned and packed little-endian into uint32 words (8-bit: four per
+word; 4-bit: eight per word, element 0 in the lowest bits). Each Kipp scheme is that form:
+
+| scheme       | stored                 | MLX q        | scale | bias   |
+| ------------ | ---------------------- | ------------ | ----- | ------ |
+| q8_0         | int8 q, w = d q        | q + 128      | d     | -128 d |
+| scale4_gs32  | nibble q, w = d (q-8)  | q            | d     | -8 d   |
+| affine4_gs32 | nibble q, w = d q + m  | q            | d     | m      |
+
+Scales and biases are float32, not fp16 or bf16. The fp16 d and m widen to float32 exactly and
+-128 d and -8 d are exact there (a power-of-two multiple), while an fp16 -128 d overflows for
+d > 511 and bf16 would drop 3 of d's 11 significant bits. In float32 MLX's decode is exact:
+d * (q + 128) is an exact product (11 x 9 significant bits) and adding -128 d then gives
+d * q exactly (it is representable, and the sum of two exact values that is representable is
+exact); the same for scale4. affine4 is an exact product and one rounded add, as kipp.quant
+decodes it. So `mx.dequantize` of the repack equals `kipp.quant.dequantize` bit for bit, with
+one exception that is not a difference in value: where scale4's d < 0 and q = 8, kipp.quant's
+d * (q - 8) is -0.0 while MLX's 8 d + (-8 d) is +0.0 (an IEEE sum of opposites is +0).
+Float32 scales are also what runs fast on the CPU wheel (measured, [3072, 1024] matvec: 3.3 ms
+with float32 scales against 28 ms bf16 and 114 ms fp16).
+
+**Kernel planes** (the Metal kernels). The artifact's own bytes, split into aligned planes so a
+SIMD lane loads whole fields: q8_0 -> int8 q [out, in]; the 4-bit schemes -> uint8 nibbles
+[out, in / 2] in GGML order (byte j of a block: element j low, j + 16 high); fp16 d (and
+affine4's m) [out, in / 32] carried as uint16 bits. The same 34 / 18 / 20 bytes per 32 weights
+as the file: decode streams exactly what the artifact stores (the seeds measured decode to be
+byte-bound), where the affine repack would stream 40 / 24 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kipp.errors import KippError
+from kipp.quant import BLOCK, SCHEMES_BY_GGML_TYPE, WeightScheme
+
+QUANTIZED = ("q8_0", "scale4_gs32", "affine4_gs32")
+BITS = {"q8_0": 8, "scale4_gs32": 4, "affine4_gs32": 4}
+
+
+@dataclass(frozen=True)
+class Affine:
+    """MLX affine group-32 arrays (numpy): w uint32 [out, in * bits / 32]; scales, biases
+    float32 [out, in / 32]."""
+
+    w: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    bits: int
+
+
+@dataclass(frozen=True)
+class Planes:
+    """The kernels' planes (numpy): q int8 [out, in] (q8_0) or uint8 nibbles [out, in / 2];
+    d (and m for affine4) fp16 bits as uint16 [out, in / 32]."""
+
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    scheme: str
+
+
+def _blocks(raw: np.ndarray, scheme: WeightScheme, cols: int) -> np.ndarray:
+    """GGML rows uint8 [out, row_bytes] -> [out, cols / 32, block_bytes], checked."""
+    if scheme.name not in QUANTIZED:
+        raise KippError(f"repack: {scheme.name} is not a quantized scheme")
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != scheme.row_bytes(cols):
+        raise KippError(f"repack: {scheme.name} rows of {cols} weights take "
+                        f"{scheme.row_bytes(cols)} bytes, got {raw.dtype} {raw.shape}")
+    return np.ascontiguousarray(raw).reshape(len(raw), cols // BLOCK, scheme.block_bytes)
+
+
+def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """An fp16 field of every block, as float32 [out, blocks] (exact)."""
+    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view("<f2")[..., 0].astype(
+        np.float32)
+
+
+def _levels(blocks: np.ndarray, scheme: WeightScheme) -> np.ndarray:
+    """Stored integer levels [out, blocks, 32]: int8 for q8_0, 0..15 nibbles (uint8) else."""
+    if scheme.name == "q8_0":
+        return np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    nibbles = blocks[..., scheme.block_bytes - 16:]
+    return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+
+
+def to_affine(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Affine:
+    """GGML rows of a quantized scheme -> MLX affine group-32 arrays (module docstring)."""
+    s = _scheme(scheme)
+    blocks = _blocks(raw, s, cols)
+    rows = len(blocks)
+    d = _fp16(blocks, 0)
+    q = _levels(blocks, s)
+    if s.name == "q8_0":
+        unsigned = (q.astype(np.int16) + 128).astype(np.uint8)  # [out, blocks, 32]
+        words = np.ascontiguousarray(unsigned).reshape(rows, -1).view("<u4")
+        bias = -128 * d
+    else:
+        pairs = q.reshape(rows, -1, BLOCK // 2, 2)  # consecutive elements share a byte
+        packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+        words = np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
+        bias = _fp16(blocks, 2) if s.name == "affine4_gs32" else -8 * d
+    return Affine(words.astype(np.uint32), d, bias.astype(np.float32), BITS[s.name])
+
+
+def to_planes(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Planes:
+    """GGML rows of a quantized scheme -> the Metal kernels' planes (module docstring)."""
+    s = _scheme(scheme)
+    blocks = _blocks(raw, s, cols)
+    rows = len(blocks)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view("<u2")[..., 0]
+    if s.name == "q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols)
+        return Planes(q, np.ascontiguousarray(d), None, s.name)
+    nibbles = np.ascontiguousarray(blocks[..., s.block_bytes - 16:]).reshape(rows, cols // 2)
+    m = (np.ascontiguousarray(np.ascontiguousarray(blocks[..., 2:4]).view("<u2")[..., 0])
+         if s.name == "affine4_gs32" else None)
+    return Planes(nibbles, np.ascontiguousarray(d), m, s.name)
+
+
+def dequantize_planes(p: Planes) -> np.ndarray:
+    """float32 [out, in] from kernel planes, with kipp.quant's arithmetic: the numpy statement
+    of what the Metal kernels compute per weight (tests compare it with kipp.quant)."""
+    d = p.d.view(np.float16).astype(np.float32)[..., None]  # [out, blocks, 1]
+    rows = len(p.q)
+    if p.scheme == "q8_0":
+        q = p.q.reshape(rows, -1, BLOCK).astype(np.float32)
+        return (d * q).reshape(rows, -1)
+    nibbles = p.q.reshape(rows, -1, BLOCK // 2)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32)
+    if p.scheme == "scale4_gs32":
+        return (d * (q - np.float32(8))).reshape(rows, -1)
+    m = p.m.view(np.float16).astype(np.float32)[..., None]
+    return (d * q + m).reshape(rows, -1)
+
+
+def _scheme(scheme) -> WeightScheme:
+    if isinstance(scheme, WeightScheme):
+        return scheme
+    for s in SCHEMES_BY_GGML_TYPE.values():
+        if s.name == scheme:
+            return s
+    raise KippError(f"repack: unknown scheme {scheme!r}")
