@@ -217,6 +217,24 @@ def render(all_records: list[tuple[Path, dict]], plot_name: str | None) -> str:
     if plot_name and any(records.latest(all_records, "throughput", w)
                          for w in THROUGHPUT_WORKLOADS):
         out += [f"![tok/s by engine and scheme]({plot_name})", ""]
+    for workload, title in SERVER_WORKLOADS:
+        found = records.latest(all_records, "throughput", workload)
+        out.append(f"### {title}")
+        if found is None:
+            out += ["", "Not yet measured.", ""]
+            continue
+        path, record = found
+        out += ["", f"Checkpoint `{record['checkpoint']['id']}`; record `results/{path.name}`.",
+                ""] + server_lines(record)
+        out += ["", f"Command: `{record['command']}`", ""]
+    found = records.latest(all_records, "throughput", "spec")
+    out.append("### Speculative decoding (greedy, prompt lookup)")
+    if found is None:
+        out += ["", "Not yet measured.", ""]
+    else:
+        path, record = found
+        out += ["", f"Checkpoint `{record['checkpoint']['id']}`; record `results/{path.name}`.",
+                ""] + spec_lines(record) + ["", f"Command: `{record['command']}`", ""]
     for kind, title, lines_of in (("ppl", "Quality: perplexity against BF16", ppl_lines),
                                   ("interop", "Interop: llama.cpp on Kipp's GGUF files",
                                    interop_lines)):
@@ -229,6 +247,41 @@ def render(all_records: list[tuple[Path, dict]], plot_name: str | None) -> str:
         out += ["", f"Checkpoint `{record['checkpoint']['id']}`; record `results/{path.name}`; "
                     f"command `{record['command']}`.", ""] + lines_of(record) + [""]
     return "\n".join(out).rstrip() + "\n"
+
+
+SERVER_WORKLOADS = (("server_aggregate", "Server: aggregate decode with concurrent streams"),
+                    ("ttft_prefix", "Server: time to first token of a repeated prompt"))
+
+
+def server_lines(record: dict) -> list[str]:
+    """One row per server arm (clients or TTFT phase) of a `bench server` record."""
+    unit = record["workload"]["unit"]
+    lines = [f"| arm | {unit} (median ± MAD) | detail |", "| --- | --- | --- |"]
+    footnotes: list[str] = []
+    for arm in record["arms"]:
+        detail = ""
+        if arm.get("per_client_decode_tok_s"):
+            detail = f"per-client decode {sig(arm['per_client_decode_tok_s']['median'])} tok/s"
+        elif arm.get("status") == "ok" and "phase" in arm.get("params", {}):
+            cached = sorted({r.get("cached_tokens") for r in arm["runs"]} - {None})
+            detail = f"cached tokens {', '.join(map(str, cached)) or 'not reported'}"
+        if arm.get("spec", {}).get("batching"):
+            detail += ("; " if detail else "") + arm["spec"]["batching"].split(":")[0]
+        lines.append(f"| {arm['arm']} | {_cell(arm, footnotes)} | {detail} |")
+    return lines + ([""] + [f"[{i}] {n}" for i, n in enumerate(footnotes, 1)]
+                    if footnotes else [])
+
+
+def spec_lines(record: dict) -> list[str]:
+    """Speed-up of speculative over plain greedy decoding per text, same run."""
+    lines = ["| text | speed-up (median ± MAD of per-round ratios) | acceptance | decode evals "
+             "(spec / plain) | same tokens |", "| --- | --- | --- | --- | --- |"]
+    for text, s in record["speedups"].items():
+        lines.append(f"| {text} | {sig(s['speedup']['median'])} ± {sig(s['speedup']['mad'], 2)} "
+                     f"(n={s['speedup']['n']}) | {s['acceptance_rate']:.0%} | "
+                     f"{s['evals_spec']} / {s['evals_plain']} | "
+                     f"{'yes' if s['identical'] else 'NO'} |")
+    return lines
 
 
 def update_readme(readme: Path, generated: str) -> None:

@@ -364,3 +364,23 @@ def test_the_campaign_is_four_explicit_commands(tmp_path, monkeypatch):
     readme = (REPO / "bench" / "README.md").read_text()
     for flag in cli.CAMPAIGN_RUN[1:] + cli.CAMPAIGN_PPL[1:]:
         assert flag in readme  # the page shows the commands the campaign really runs
+
+
+def test_report_renders_server_and_spec_records():
+    from bench import report
+
+    summary = {"median": 12.5, "mad": 0.5, "n": 3}
+    server = {"workload": {"unit": "tok/s"}, "arms": [
+        {"arm": "kipp-jax/bf16 c=4", "status": "ok", "summary": summary, "params": {"clients": 4},
+         "per_client_decode_tok_s": {"median": 3.25},
+         "spec": {"batching": "continuous batching: up to 8 sequences"}},
+        {"arm": "vllm/bf16 cold", "status": "failed", "reason": "did not start",
+         "params": {"phase": "cold"}, "spec": {}}]}
+    lines = report.server_lines(server)
+    assert "| kipp-jax/bf16 c=4 | 12.5 ± 0.5 (n=3) | per-client decode 3.25 tok/s; " \
+           "continuous batching |" in lines
+    assert any(line.startswith("| vllm/bf16 cold | failed [1]") for line in lines)
+    assert lines[-1] == "[1] vllm/bf16 cold: failed: did not start"
+    spec = {"speedups": {"copy": {"speedup": summary, "acceptance_rate": 0.75, "evals_spec": 9,
+                                  "evals_plain": 63, "identical": False}}}
+    assert report.spec_lines(spec)[-1] == "| copy | 12.5 ± 0.5 (n=3) | 75% | 9 / 63 | NO |"
