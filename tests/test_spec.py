@@ -86,14 +86,22 @@ class OracleDrafter:
 
 
 @pytest.fixture(scope="module")
-def jax_model(artifacts):
-    pytest.importorskip("jax")
-    return load(artifacts(TINY), backend="jax", kv_tokens=1024, progress=False)
+def backend_models(models, artifacts):
+    """backend name -> the tiny model on it (JAX and MLX loaded once, when importable)."""
+    loaded = {"reference": models(TINY)}
+
+    def get(name):
+        if name not in loaded:
+            pytest.importorskip({"jax": "jax", "mlx": "mlx.core"}[name])
+            loaded[name] = load(artifacts(TINY), backend=name, kv_tokens=1024, progress=False)
+        return loaded[name]
+
+    return get
 
 
-@pytest.mark.parametrize("backend", ["reference", "jax"])
-def test_speculative_equals_plain_greedy(models, jax_model, backend):
-    model = models(TINY) if backend == "reference" else jax_model
+@pytest.mark.parametrize("backend", ["reference", "jax", "mlx"])
+def test_speculative_equals_plain_greedy(backend_models, backend):
+    model = backend_models(backend)
     for name, prompt in _prompts(model).items():
         text, plain = _generate(model, prompt)
         spec_text, spec = _generate(model, prompt, speculative=True)
