@@ -195,27 +195,45 @@ def _other_interpreters(record: dict, main_python: str) -> list[str]:
     return [f"- {python} (arms run there): {versions}" for python, versions in seen.items()]
 
 
+def covering(all_records: list[tuple[Path, dict]], workload: str) -> list[tuple[Path, dict]]:
+    """The newest throughput record of `workload`, then each older one that adds schemes the
+    newer ones lack (a campaign run in parts by scheme), newest first."""
+    chosen, seen = [], set()
+    for path, record in reversed(all_records):
+        if record["type"] != "throughput" or record.get("workload", {}).get("name") != workload:
+            continue
+        schemes = {arm["scheme"] for arm in record["arms"]}
+        if schemes - seen:
+            chosen.append((path, record))
+            seen |= schemes
+    return chosen
+
+
+def _throughput_section(path: Path, record: dict) -> list[str]:
+    w = record["workload"]
+    out = ["", f"{w['description']} ({', '.join(f'{k}={v}' for k, v in w['params'].items())});"
+               f" checkpoint `{record['checkpoint']['id']}`; record `results/{path.name}`.",
+           ""] + throughput_table(record)
+    ratios = ratio_lines(record)
+    if ratios:
+        out += ["", "Ratios (same record, same session; >1 means Kipp is faster):", ""]
+        out += ratios
+    out += ["", f"Command: `{record['command']}`", ""] + provenance_lines(record) + [""]
+    return out
+
+
 def render(all_records: list[tuple[Path, dict]], plot_name: str | None) -> str:
     """The generated Markdown section."""
     out = []
     for workload in THROUGHPUT_WORKLOADS:
-        found = records.latest(all_records, "throughput", workload)
+        found = covering(all_records, workload)
         out.append(f"### {workload}")
-        if found is None:
+        if not found:
             out += ["", "Not yet measured.", ""]
             continue
-        path, record = found
-        w = record["workload"]
-        out += ["", f"{w['description']} ({', '.join(f'{k}={v}' for k, v in w['params'].items())});"
-                    f" checkpoint `{record['checkpoint']['id']}`; record `results/{path.name}`.",
-                ""] + throughput_table(record)
-        ratios = ratio_lines(record)
-        if ratios:
-            out += ["", "Ratios (same record, same session; >1 means Kipp is faster):", ""]
-            out += ratios
-        out += ["", f"Command: `{record['command']}`", ""] + provenance_lines(record) + [""]
-    if plot_name and any(records.latest(all_records, "throughput", w)
-                         for w in THROUGHPUT_WORKLOADS):
+        for path, record in found:
+            out += _throughput_section(path, record)
+    if plot_name and any(covering(all_records, w) for w in THROUGHPUT_WORKLOADS):
         out += [f"![tok/s by engine and scheme]({plot_name})", ""]
     for workload, title in SERVER_WORKLOADS:
         found = records.latest(all_records, "throughput", workload)
@@ -300,8 +318,13 @@ def update_readme(readme: Path, generated: str) -> None:
 def plot(all_records: list[tuple[Path, dict]], path: Path) -> bool:
     """Bars of median tok/s by engine and scheme per workload (log scale), MAD as error bars,
     the bandwidth ceiling drawn over the decode panel. False when nothing is measured yet."""
-    found = [(w, records.latest(all_records, "throughput", w)) for w in THROUGHPUT_WORKLOADS]
-    found = [(w, f[1]) for w, f in found if f]
+    found = []
+    for w in THROUGHPUT_WORKLOADS:
+        parts = [r for _, r in covering(all_records, w)]
+        if parts:  # one panel: every part's arms, the newest part's ceiling
+            ceiling = next((r["ceiling"] for r in parts if r.get("ceiling")), None)
+            found.append((w, {**parts[0], "ceiling": ceiling,
+                              "arms": [a for r in parts for a in r["arms"]]}))
     if not found:
         return False
     try:
