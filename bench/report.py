@@ -196,16 +196,16 @@ def _other_interpreters(record: dict, main_python: str) -> list[str]:
 
 
 def covering(all_records: list[tuple[Path, dict]], workload: str) -> list[tuple[Path, dict]]:
-    """The newest throughput record of `workload`, then each older one that adds schemes the
-    newer ones lack (a campaign run in parts by scheme), newest first."""
+    """The newest throughput record of `workload`, then each older one that measured arms
+    (engine and scheme) the newer ones lack (a campaign run in parts), newest first."""
     chosen, seen = [], set()
     for path, record in reversed(all_records):
         if record["type"] != "throughput" or record.get("workload", {}).get("name") != workload:
             continue
-        schemes = {arm["scheme"] for arm in record["arms"]}
-        if schemes - seen:
+        arms = {arm["arm"] for arm in record["arms"] if arm["status"] == "ok"}
+        if arms - seen:
             chosen.append((path, record))
-            seen |= schemes
+            seen |= arms
     return chosen
 
 
@@ -321,10 +321,14 @@ def plot(all_records: list[tuple[Path, dict]], path: Path) -> bool:
     found = []
     for w in THROUGHPUT_WORKLOADS:
         parts = [r for _, r in covering(all_records, w)]
-        if parts:  # one panel: every part's arms, the newest part's ceiling
+        if parts:  # one panel: each arm from its newest record, the newest ceiling
             ceiling = next((r["ceiling"] for r in parts if r.get("ceiling")), None)
-            found.append((w, {**parts[0], "ceiling": ceiling,
-                              "arms": [a for r in parts for a in r["arms"]]}))
+            arms = {}
+            for r in parts:
+                for a in r["arms"]:
+                    if a["status"] == "ok":
+                        arms.setdefault(a["arm"], a)
+            found.append((w, {**parts[0], "ceiling": ceiling, "arms": list(arms.values())}))
     if not found:
         return False
     try:
