@@ -196,12 +196,16 @@ def _other_interpreters(record: dict, main_python: str) -> list[str]:
 
 
 def covering(all_records: list[tuple[Path, dict]], workload: str) -> list[tuple[Path, dict]]:
-    """The newest throughput record of `workload`, then each older one that measured arms
-    (engine and scheme) the newer ones lack (a campaign run in parts), newest first."""
-    chosen, seen = [], set()
+    """The newest throughput record of `workload`, then each older one of the same checkpoint
+    that measured arms (engine and scheme) the newer ones lack (a campaign run in parts),
+    newest first."""
+    chosen, seen, checkpoint = [], set(), None
     for path, record in reversed(all_records):
         if record["type"] != "throughput" or record.get("workload", {}).get("name") != workload:
             continue
+        checkpoint = checkpoint or record["checkpoint"]["id"]
+        if record["checkpoint"]["id"] != checkpoint:
+            continue  # the page compares one checkpoint: the newest record's
         arms = {arm["arm"] for arm in record["arms"] if arm["status"] == "ok"}
         if arms - seen:
             chosen.append((path, record))

@@ -64,7 +64,7 @@ def _load(args):
     from kipp.model import load
 
     return load(args.model, backend=args.backend, scheme=args.scheme,
-                kv_tokens=getattr(args, "kv_tokens", None),
+                kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
                 kv_scheme=getattr(args, "kv_scheme", "bf16"))
 
 
@@ -231,7 +231,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="waiting requests before new ones get 503")
     p.add_argument("--prefill-chunk", type=int, help="prompt tokens per sequence per step")
-    p.add_argument("--kv-tokens", type=int, help="KV pool size in tokens (default: backend's)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--kv-tokens", type=int, help="KV pool size in tokens (default: backend's)")
+    pool.add_argument("--kv-mib", type=float, help="KV pool size in MiB (q8_0 KV fits ~1.9x "
+                      "the tokens of bf16 in the same MiB)")
     p.add_argument("--threads", type=int, default=96, help="HTTP worker threads")
     p.add_argument("--chat-max-tokens", type=int,
                    help="max_tokens of a chat request that gives none (default 1024)")

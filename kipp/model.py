@@ -26,7 +26,7 @@ import numpy as np
 from kipp.artifact import Artifact, open_artifact
 from kipp.blocks import BLOCK_SIZE, BlockPool
 from kipp.errors import KippError
-from kipp.registry import VOCAB_SIZE
+from kipp.registry import KV_HEADS, VOCAB_SIZE
 from kipp.sampling import Sampler, SamplingParams
 from kipp.session import Session, SessionError
 from kipp.spec import SpecConfig, SpecStats, SpeculativeDecoder
@@ -43,11 +43,13 @@ class GenerationError(KippError, ValueError):
 
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_tokens: int | None = None, progress: bool = True,
-         kv_scheme: str = "bf16") -> "Model":
+         kv_scheme: str = "bf16", kv_mib: float | None = None) -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `kv_tokens` sizes the KV slab
     (default: the checkpoint's context length; the reference backend pages it in lazily).
-    `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16")."""
+    `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16").
+    `kv_mib` sizes the slab in memory instead of tokens: the same MiB hold ~1.9x more tokens
+    with q8_0 KV (give kv_tokens or kv_mib, not both)."""
     if kv_scheme not in KV_SCHEMES:
         raise KippError(f"unknown kv_scheme {kv_scheme!r}; choose from {', '.join(KV_SCHEMES)}")
     path = Path(checkpoint)
@@ -57,7 +59,23 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
         from kipp.store import ensure_artifact
 
         artifact = open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
+    if kv_mib is not None:
+        if kv_tokens is not None:
+            raise KippError("give kv_tokens or kv_mib, not both")
+        kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     return Model(artifact, _make_backend(artifact, backend, kv_tokens, progress, kv_scheme))
+
+
+def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
+    """Tokens of KV (whole 32-token blocks) that fit in `mib` MiB with `kv_scheme`."""
+    from kipp.kvquant import row_bytes
+
+    per_token = entry.layers * 2 * KV_HEADS * row_bytes(kv_scheme)
+    tokens = int(mib * 2**20) // per_token // BLOCK_SIZE * BLOCK_SIZE
+    if tokens < BLOCK_SIZE:
+        raise KippError(f"kv_mib {mib} holds less than one {BLOCK_SIZE}-token block "
+                        f"({BLOCK_SIZE * per_token} bytes with {kv_scheme} KV)")
+    return tokens
 
 
 def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose: bool,

@@ -282,3 +282,22 @@ def test_q8_0_kv_kernels_lower_for_cuda(artifacts):
         exported = export.export(step, platforms=["cuda"], disabled_checks=[triton])(
             params, kv, rope, jax.tree.map(spec, arrays))
         assert kernel in exported.mlir_module()
+
+
+def test_pool_sized_in_bytes_holds_more_tokens_with_q8_0_kv(artifacts):
+    from kipp.errors import KippError
+    from kipp.model import kv_tokens_for, load
+    from kipp.registry import get
+
+    entry = get("kipp-synthetic/qwen3-tiny")
+    bf16, q8 = kv_tokens_for(entry, "bf16", 4), kv_tokens_for(entry, "q8_0", 4)
+    # 4 MiB / (2 layers * 2 * 8 heads * 256 or 136 bytes), whole 32-token blocks
+    assert (bf16, q8) == (512, 960)
+    model = load(artifacts("kipp-synthetic/qwen3-tiny"), backend="reference", kv_scheme="q8_0",
+                 kv_mib=4, progress=False)
+    assert model.pool.num_blocks == 960 // 32
+    with pytest.raises(KippError, match="not both"):
+        load(artifacts("kipp-synthetic/qwen3-tiny"), backend="reference", kv_mib=4,
+             kv_tokens=64, progress=False)
+    with pytest.raises(KippError, match="less than one"):
+        kv_tokens_for(entry, "bf16", 0.001)
