@@ -39,6 +39,7 @@ import numpy as np
 
 from kipp.blocks import PoolExhausted, blocks_needed
 from kipp.errors import KippError
+from kipp.model import StopStrings
 from kipp.sampling import Sampler, SamplingParams, logprobs
 from kipp.session import Session
 from kipp.tokenizer import StreamingDetokenizer
@@ -164,8 +165,6 @@ class _Choice:
         self.run, self.index, self.session = run, index, session
         self.sampler = Sampler(request.sampling, choice=index)
         self.detok = StreamingDetokenizer(model.tokenizer)
-        from kipp.model import StopStrings
-
         self.stops = StopStrings(list(request.stop))
         self.state = "waiting" if index else "prefill"  # -> prefill -> decode -> done
         self.pending: int | None = None  # the sampled token the next step evaluates
