@@ -385,7 +385,8 @@ def _planes(scheme, rows=64, cols=128):
     dense = quant.dequantize(raw, scheme, cols)
     if scheme == "bf16":
         kernel = linear.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
-        return kernel, linear.Linear("f32", rows, cols, shards=((mx.array(dense),),)), dense
+        twin = linear.Linear("f32", rows, cols, shards=((mx.array(np.ascontiguousarray(dense.T)),),))
+        return kernel, twin, dense
     p = repack.to_planes(raw, scheme, cols)
     planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
     a = repack.to_affine(raw, scheme, cols)
@@ -411,7 +412,7 @@ def test_linear_kernel_arguments_are_checked_before_the_call(fmt):
     with pytest.raises(linear.LinearError, match="multiples"):
         linear.check_call(mx.ones((2, 100)), linear.Linear(fmt, 64, 100, planes=w.planes))
     with pytest.raises(linear.LinearError, match="twins"):
-        linear.matvec(x, linear.Linear("f32", 64, 128, shards=((mx.ones((64, 128)),),)))
+        linear.matvec(x, linear.Linear("f32", 64, 128, shards=((mx.ones((128, 64)),),)))
 
 
 def _kv(scheme, slots=96, seed=0):
