@@ -379,9 +379,11 @@ def test_attention_kernel_sources_are_well_formed(kv_scheme):
 
 
 def _planes(scheme, rows=64, cols=128):
-    """(kernel Linear, twin Linear, dense float32 weights) of one random weight in `scheme`."""
-    w = _weights(rows, cols, seed=3)
-    raw = quant.quantize(w, scheme)
+    """(kernel Linear, twin Linear, dense float32 weights) of one random weight in `scheme`:
+    rows at magnitudes 2^-8 .. 2^2, inside every scheme's fp16 scale range."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((rows, cols)) * np.exp2(rng.integers(-8, 3, (rows, 1))))
+    raw = quant.quantize(w.astype(np.float32), scheme)
     dense = quant.dequantize(raw, scheme, cols)
     if scheme == "bf16":
         kernel = linear.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
@@ -393,6 +395,28 @@ def _planes(scheme, rows=64, cols=128):
     twin = linear.Linear(scheme, rows, cols,
                          shards=((mx.array(a.w), mx.array(a.scales), mx.array(a.biases)),))
     return linear.Linear(scheme, rows, cols, planes=planes), twin, dense
+
+
+@pytest.mark.parametrize("fmt", linear.FORMATS)
+def test_linear_twin_matches_the_numpy_dequantizer(fmt):
+    """The twin on either side of DEQUANTIZE_ROWS (quantized matmul below, transient dequantize
+    from there) and over two row shards == x @ W^T on kipp.quant's dequantized weights."""
+    _, one, dense = _planes(fmt, rows=96, cols=256)
+    if fmt == "bf16":
+        two = linear.Linear("f32", 96, 256, shards=tuple(
+            (mx.array(np.ascontiguousarray(part.T)),) for part in (dense[:64], dense[64:])))
+    else:
+        raw = quant.quantize(dense, fmt)  # the dequantized weights are a fixed point
+        assert np.array_equal(quant.dequantize(raw, fmt, 256), dense)
+        halves = (repack.to_affine(part, fmt, 256) for part in (raw[:64], raw[64:]))
+        two = linear.Linear(fmt, 96, 256, shards=tuple(
+            (mx.array(a.w), mx.array(a.scales), mx.array(a.biases)) for a in halves))
+    for m in (1, linear.DEQUANTIZE_ROWS - 1, linear.DEQUANTIZE_ROWS, 45):
+        x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float32)
+        want = x.astype(np.float64) @ dense.astype(np.float64).T
+        for w in (one, two):
+            got = np.array(linear.linear_twin(mx.array(x), w, streams=(None,)))
+            assert got.shape == (m, 96) and gates.nmse(got, want) <= 1e-12, (fmt, m)
 
 
 @pytest.mark.parametrize("fmt", linear.FORMATS)

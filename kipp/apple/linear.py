@@ -3,20 +3,23 @@
 `x` is float32 [M, K]; W [N, K] is one prepared projection (`Linear`). Output float32 [M, N].
 
 Twin (no Metal, or KIPP_MLX_TWINS=1): `mx.matmul` on float32 weights (BF16 widened once at
-load, exact) stored transposed, W^T [K, N] contiguous, or `mx.quantized_matmul` on the affine
-repack (kipp.apple.repack), never widened. Why transposed: the Linux wheel's CPU matmul is the
-reference BLAS, whose sgemm walks B's columns with a unit stride only when B is not transposed;
-measured on this 2-core box, [3072, 1024] float32, one stream: x @ W.T 3.9 ms, x @ W^T-stored
-2.1 ms at one token, 495 ms vs 227 ms at 128 tokens.
-On the CPU the work is split over MLX CPU streams, each its own thread: the Linux wheel's BLAS
-runs one thread, so this is what puts the other cores to work (same matvec, transposed
-storage: 2.7 ms on one stream, 1.4 ms on two). Q, K and V are
-one stacked weight split by rows (one matmul per stream), O and the head likewise, each
-stream's rows concatenated after; the feed-forward block is split tensor-parallel
-(`SplitFFN`): a stream runs its share of the intermediate dims through gate, up, SiLU and
-down, and the streams meet once to add. Why float32 and not BF16 on the CPU: MLX promotes a
-BF16 weight to float32 for a float32 activation, a full copy per call (the 151,936-row head
-took 712 ms that way, against ~260 ms for the float32 matvec).
+load, exact) stored transposed, W^T [K, N] contiguous; or `mx.quantized_matmul` on the affine
+repack (kipp.apple.repack), never widened in memory. Measured on this 2-core box, [3072, 1024]:
+- Transposed storage: the Linux wheel's CPU matmul is the reference BLAS, whose sgemm walks B
+  with a unit stride only when B is not transposed. One stream, x @ W.T 3.9 ms vs x @ W^T
+  stored 2.1 ms at one token; 495 ms vs 227 ms at 128 tokens.
+- Quantized from DEQUANTIZE_ROWS tokens (prefill, batched decode): MLX's CPU quantized matmul
+  costs one matvec per token (8-bit, 128 tokens: 405 ms), so the shard is dequantized
+  transiently and multiplied as W @ x^T by the BLAS (220-250 ms; at 8 tokens 22 vs 29 ms).
+- CPU streams, each its own thread: the BLAS runs one thread, so the work is split over MLX
+  CPU streams to put the other cores to work (the matvec above: 2.7 ms on one stream, 1.4 ms
+  on two). Q, K and V are one stacked weight split by rows (one matmul per stream), O and the
+  head likewise, each stream's rows concatenated after; the feed-forward block is split
+  tensor-parallel (`SplitFFN`): a stream runs its share of the intermediate dims through gate,
+  up, SiLU and down, and the streams meet once to add.
+- Why float32 and not BF16 on the CPU: MLX promotes a BF16 weight to float32 for a float32
+  activation, a full copy per call (the 151,936-row head took 712 ms that way, against ~260 ms
+  for the float32 matvec).
 
 Kernels (Metal; the artifact's own bytes, kipp.apple.repack's planes; BF16 stays BF16):
 - `matvec` for decode (M <= MATVEC_ROWS): one simdgroup per output row, each lane walks the
@@ -49,6 +52,7 @@ from kipp.artifact import Tensor
 from kipp.errors import KippError
 from kipp.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
 
+DEQUANTIZE_ROWS = 8  # twin: from this many tokens, dequantize a shard for one BLAS matmul
 MATVEC_ROWS = 8  # decode rounds up to this many tokens use the matvec kernel
 MATVEC_ROWS_PER_GROUP = 4  # simdgroups (output rows) per threadgroup
 TILE = 32  # matmul tile: tokens and outputs per threadgroup
@@ -215,8 +219,12 @@ def _shard_matmul(x: mx.array, shard: tuple, fmt: str, stream) -> mx.array:
         if fmt == "f32":
             return mx.matmul(x, shard[0])  # stored W^T
         q, scales, biases = shard
-        return mx.quantized_matmul(x, q, scales, biases, transpose=True, group_size=BLOCK,
-                                   bits=repack.BITS[fmt])
+        bits = repack.BITS[fmt]
+        if x.shape[0] < DEQUANTIZE_ROWS:
+            return mx.quantized_matmul(x, q, scales, biases, transpose=True, group_size=BLOCK,
+                                       bits=bits)
+        w = mx.dequantize(q, scales, biases, group_size=BLOCK, bits=bits)  # [N, K], transient
+        return (w @ mx.contiguous(x.T)).T
 
 
 def _on(stream):
