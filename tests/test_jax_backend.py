@@ -35,26 +35,18 @@ def _tokens(seed, n):
     return tuple(int(t) for t in np.random.default_rng(seed).integers(0, 151_643, n))
 
 
-def _check_rows(got, want, what):
-    for i, (g, w) in enumerate(zip(got, want)):
-        error = gates.nmse(g, w)
-        differ, ties = gates.argmax_check(g, w)
-        assert error <= BOUND, f"{what} row {i}: NMSE {error:.2e}"
-        assert differ == ties, f"{what} row {i}: argmax differs beyond a near-tie"
+def _check_rows(got, want, what, bound=BOUND):
+    result = gates.gate_rows(what, got, want, bound)
+    assert result.passed, f"{what}: {result.detail}"
 
 
 def _gate(ref, jb, prompt_len=30, decode_steps=4, seed=0):
     """Prefill (every position's logits) then decode across the 31/32/33 block boundary, on a
     scrambled table; the reference sees the same items."""
-    table = tuple(int(b) for b in np.random.default_rng(seed).permutation(BLOCKS)[:3])
-    prompt = _tokens(seed, prompt_len)
-    item = EvalItem(prompt, 0, table, prompt_len)
-    [want], [got] = ref.eval([item]), jb.eval([item])
-    _check_rows(got, want, "prefill")
-    for step in range(decode_steps):
-        item = EvalItem((int(want[-1].argmax()),), prompt_len + step, table)
-        [want], [got] = ref.eval([item]), jb.eval([item])
-        _check_rows(got, want, f"decode position {prompt_len + step}")
+    table = np.random.default_rng(seed).permutation(BLOCKS)[:3]
+    result = gates.gate_backends(ref, jb, _tokens(seed, prompt_len), table,
+                                 logits_rows=prompt_len, decode_steps=decode_steps, bound=BOUND)
+    assert result.passed, result.detail
 
 
 @pytest.mark.parametrize("checkpoint_id", [TINY, UNTIED])

@@ -225,6 +225,48 @@ def test_cli_run_prints_text_and_speeds(artifacts, capsys):
     assert "prefill" in captured.err and "decode" in captured.err
 
 
+def test_backend_gate_passes_a_twin_and_names_the_first_bad_step(artifacts):
+    """gate_backends on two reference backends passes exactly; a backend whose decode logits
+    are nudged at one position fails there, by name, and a swapped argmax fails too."""
+    from kipp.reference.backend import ReferenceBackend
+
+    artifact = open_artifact(artifacts(TINY))
+    oracle, twin = ReferenceBackend(artifact, 8), ReferenceBackend(artifact, 8)
+    tokens = np.random.default_rng(0).integers(0, 151_643, 30)
+    same = gates.gate_backends(oracle, twin, tokens, (5, 1, 6), logits_rows=4, decode_steps=3)
+    assert same.passed and same.metric == 0.0 and same.bound == gates.BACKEND_NMSE
+
+    class Nudged(ReferenceBackend):
+        def eval(self, items):
+            out = super().eval(items)
+            if items[0].start_position == 32:  # the third decode step
+                out[0] = out[0] + 0.05 * np.abs(out[0]).max()  # ~1e-3 NMSE, argmax kept
+            return out
+
+    bad = gates.gate_backends(oracle, Nudged(artifact, 8), tokens, (5, 1, 6), decode_steps=3)
+    assert not bad.passed and bad.metric > gates.BACKEND_NMSE
+    assert "decode position 32" in bad.name and "row 0" in bad.detail
+    logits = oracle.eval([EvalItem(tuple(int(t) for t in tokens), 0, (5, 1, 6), 2)])[0]
+    swapped = logits.copy()
+    top = logits.argmax(-1)
+    swapped[:, top] = logits.min()  # the oracle's top token becomes the least likely
+    rows = gates.gate_rows("swapped", swapped, logits, bound=1.0)
+    assert not rows.passed and "argmax differs" in rows.detail
+    assert gates.argmax_check(swapped, logits) == (2, 0)
+
+
+def test_argmax_ties_are_judged_by_the_error_elsewhere_in_the_row():
+    rng = np.random.default_rng(1)
+    want = rng.standard_normal(1000)
+    want[:2] = 10.0, 10.0 - 1e-3  # a near-tie at the top
+    got = want + rng.normal(0, 1e-2, 1000)  # noise across the row that can swap the two
+    got[1] = got[0] + 1e-4
+    assert gates.argmax_check(got, want) == (1, 1)
+    got = want.copy()
+    got[1] = 10.5  # the swap is the only error in the row: a real disagreement
+    assert gates.argmax_check(got, want) == (1, 0)
+
+
 def test_cli_gates_prints_a_passing_table(artifacts, synthetic_dir, capsys):
     code = cli_main(["gates", str(artifacts(TINY, "q8_0")), "--source", str(synthetic_dir(TINY))])
     out = capsys.readouterr().out
