@@ -49,14 +49,12 @@ def _linear_rows(rng) -> list[tuple]:
             dense = quant.dequantize(raw, fmt, k)
             if fmt == "bf16":
                 kern = linear.Linear(fmt, n, k, planes=(mx.array(raw.view("<u2")),))
-                twin = linear.Linear("f32", n, k, shards=((mx.array(dense),),))
+                twin = linear.twin_of(dense, "f32", k)
             else:
                 p = repack.to_planes(raw, fmt, k)
                 kern = linear.Linear(fmt, n, k, planes=tuple(
                     mx.array(a) for a in (p.q, p.d, p.m) if a is not None))
-                a = repack.to_affine(raw, fmt, k)
-                twin = linear.Linear(fmt, n, k, shards=((mx.array(a.w), mx.array(a.scales),
-                                                          mx.array(a.biases)),))
+                twin = linear.twin_of(raw, fmt, k)
             x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
             want = np.asarray(x, np.float64) @ dense.astype(np.float64).T
             got_k = np.array(linear.linear_kernel(x, kern))

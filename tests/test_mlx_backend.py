@@ -49,26 +49,18 @@ def _tokens(seed, n):
 
 
 def _check_rows(got, want, what, bound=BOUND):
-    for i, (g, w) in enumerate(zip(got, want)):
-        error = gates.nmse(g, w)
-        differ, ties = gates.argmax_check(g, w)
-        assert error <= bound, f"{what} row {i}: NMSE {error:.2e}"
-        assert differ == ties, f"{what} row {i}: argmax differs beyond a near-tie"
+    result = gates.gate_rows(what, got, want, bound)
+    assert result.passed, f"{what}: {result.detail}"
 
 
 def _gate(ref, mb, prompt_len=30, decode_steps=4, seed=0, rows=10):
     """Prefill (the last `rows` positions' logits; the 151,936-row head dominates a tiny
     model's time), then decode across the 31/32/33 block boundary, on a scrambled table; the
     reference sees the same items."""
-    table = tuple(int(b) for b in np.random.default_rng(seed).permutation(BLOCKS)[:3])
-    prompt = _tokens(seed, prompt_len)
-    item = EvalItem(prompt, 0, table, min(rows, prompt_len))
-    [want], [got] = ref.eval([item]), mb.eval([item])
-    _check_rows(got, want, "prefill")
-    for step in range(decode_steps):
-        item = EvalItem((int(want[-1].argmax()),), prompt_len + step, table)
-        [want], [got] = ref.eval([item]), mb.eval([item])
-        _check_rows(got, want, f"decode position {prompt_len + step}")
+    table = np.random.default_rng(seed).permutation(BLOCKS)[:3]
+    result = gates.gate_backends(ref, mb, _tokens(seed, prompt_len), table, logits_rows=rows,
+                                 decode_steps=decode_steps, bound=BOUND)
+    assert result.passed, result.detail
 
 
 # ---- whole model, twin path --------------------------------------------------------------
@@ -387,14 +379,11 @@ def _planes(scheme, rows=64, cols=128):
     dense = quant.dequantize(raw, scheme, cols)
     if scheme == "bf16":
         kernel = linear.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
-        twin = linear.Linear("f32", rows, cols, shards=((mx.array(np.ascontiguousarray(dense.T)),),))
-        return kernel, twin, dense
+        return kernel, linear.twin_of(dense, "f32", cols), dense
     p = repack.to_planes(raw, scheme, cols)
     planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
-    a = repack.to_affine(raw, scheme, cols)
-    twin = linear.Linear(scheme, rows, cols,
-                         shards=((mx.array(a.w), mx.array(a.scales), mx.array(a.biases)),))
-    return linear.Linear(scheme, rows, cols, planes=planes), twin, dense
+    kernel = linear.Linear(scheme, rows, cols, planes=planes)
+    return kernel, linear.twin_of(raw, scheme, cols), dense
 
 
 @pytest.mark.parametrize("fmt", linear.FORMATS)
@@ -403,14 +392,12 @@ def test_linear_twin_matches_the_numpy_dequantizer(fmt):
     from there) and over two row shards == x @ W^T on kipp.quant's dequantized weights."""
     _, one, dense = _planes(fmt, rows=96, cols=256)
     if fmt == "bf16":
-        two = linear.Linear("f32", 96, 256, shards=tuple(
-            (mx.array(np.ascontiguousarray(part.T)),) for part in (dense[:64], dense[64:])))
+        two = linear.twin_of(dense, "f32", 256, n_shards=2)
     else:
         raw = quant.quantize(dense, fmt)  # the dequantized weights are a fixed point
         assert np.array_equal(quant.dequantize(raw, fmt, 256), dense)
-        halves = (repack.to_affine(part, fmt, 256) for part in (raw[:64], raw[64:]))
-        two = linear.Linear(fmt, 96, 256, shards=tuple(
-            (mx.array(a.w), mx.array(a.scales), mx.array(a.biases)) for a in halves))
+        two = linear.twin_of(raw, fmt, 256, n_shards=2)
+    assert len(one.shards) == 1 and len(two.shards) == 2
     for m in (1, linear.DEQUANTIZE_ROWS - 1, linear.DEQUANTIZE_ROWS, 45):
         x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float32)
         want = x.astype(np.float64) @ dense.astype(np.float64).T

@@ -8,9 +8,10 @@ repack (kipp.apple.repack), never widened in memory. Measured on this 2-core box
 - Transposed storage: the Linux wheel's CPU matmul is the reference BLAS, whose sgemm walks B
   with a unit stride only when B is not transposed. One stream, x @ W.T 3.9 ms vs x @ W^T
   stored 2.1 ms at one token; 495 ms vs 227 ms at 128 tokens.
-- Quantized from DEQUANTIZE_ROWS tokens (prefill, batched decode): MLX's CPU quantized matmul
-  costs one matvec per token (8-bit, 128 tokens: 405 ms), so the shard is dequantized
-  transiently and multiplied as W @ x^T by the BLAS (220-250 ms; at 8 tokens 22 vs 29 ms).
+- Quantized, from DEQUANTIZE_ROWS tokens on the CPU (prefill, batched decode): MLX's CPU
+  quantized matmul costs one matvec per token (8-bit, 128 tokens: 405 ms), so the shard is
+  dequantized transiently and multiplied as W @ x^T by the BLAS (220-250 ms; at 8 tokens 22
+  vs 29 ms). On a GPU the quantized matmul stays.
 - CPU streams, each its own thread: the BLAS runs one thread, so the work is split over MLX
   CPU streams to put the other cores to work (the matvec above: 2.7 ms on one stream, 1.4 ms
   on two). Q, K and V are one stacked weight split by rows (one matmul per stream), O and the
@@ -124,12 +125,16 @@ def prepare(t: Tensor, kernels: bool, n_shards: int = 1) -> Linear:
 def prepare_twin(tensors: list[Tensor], n_shards: int = 1) -> Linear:
     """The twins' layout of `tensors` stacked by rows (one matmul for Q, K and V), split into
     `n_shards` row shards: float32 (BF16 widened, exact) or the MLX affine repack."""
-    cols = tensors[0].shape[1]
-    fmt = _twin_format(tensors[0])
     parts = [_twin_rows(t) for t in tensors]
     stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    shards = tuple(_twin_shard(part, fmt, cols) for part in _split(stacked, n_shards))
-    return Linear(fmt, len(stacked), cols, shards=shards)
+    return twin_of(stacked, _twin_format(tensors[0]), tensors[0].shape[1], n_shards)
+
+
+def twin_of(rows: np.ndarray, fmt: str, cols: int, n_shards: int = 1) -> Linear:
+    """The twin Linear of W [len(rows), cols] given as float32 rows (fmt "f32") or as a
+    scheme's quantized row bytes [rows, row_bytes], its rows split into `n_shards` shards."""
+    shards = tuple(_twin_shard(part, fmt, cols) for part in _split(rows, n_shards))
+    return Linear(fmt, len(rows), cols, shards=shards)
 
 
 def prepare_ffn_twin(gate: Tensor, up: Tensor, down: Tensor, n_shards: int) -> SplitFFN:
@@ -138,12 +143,9 @@ def prepare_ffn_twin(gate: Tensor, up: Tensor, down: Tensor, n_shards: int) -> S
     g, u, d = _twin_rows(gate), _twin_rows(up), _twin_rows(down)
     gate_up, downs = [], []
     for lo, hi in _bounds(inter, n_shards):
-        stacked = np.concatenate([g[lo:hi], u[lo:hi]])
-        gate_up.append(Linear(fmt, len(stacked), gate.shape[1],
-                              shards=(_twin_shard(stacked, fmt, gate.shape[1]),)))
+        gate_up.append(twin_of(np.concatenate([g[lo:hi], u[lo:hi]]), fmt, gate.shape[1]))
         columns = d[:, lo:hi] if fmt == "f32" else d[:, _byte_range(down, lo, hi)]
-        downs.append(Linear(fmt, down.shape[0], hi - lo,
-                            shards=(_twin_shard(np.ascontiguousarray(columns), fmt, hi - lo),)))
+        downs.append(twin_of(np.ascontiguousarray(columns), fmt, hi - lo))
     return SplitFFN(tuple(gate_up), tuple(downs))
 
 
@@ -220,11 +222,15 @@ def _shard_matmul(x: mx.array, shard: tuple, fmt: str, stream) -> mx.array:
             return mx.matmul(x, shard[0])  # stored W^T
         q, scales, biases = shard
         bits = repack.BITS[fmt]
-        if x.shape[0] < DEQUANTIZE_ROWS:
+        if x.shape[0] < DEQUANTIZE_ROWS or not _on_cpu(stream):
             return mx.quantized_matmul(x, q, scales, biases, transpose=True, group_size=BLOCK,
                                        bits=bits)
         w = mx.dequantize(q, scales, biases, group_size=BLOCK, bits=bits)  # [N, K], transient
         return (w @ mx.contiguous(x.T)).T
+
+
+def _on_cpu(stream) -> bool:
+    return (stream.device if stream is not None else mx.default_device()) == mx.cpu
 
 
 def _on(stream):
