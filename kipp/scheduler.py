@@ -51,7 +51,12 @@ DEFAULT_PREFILL_CHUNK = 128
 
 
 class SchedulerError(KippError, ValueError):
-    """A request the scheduler can never run (names the limit it breaks)."""
+    """A request the scheduler can never run (names the limit it breaks). `param` is the
+    request field at fault and `code` a machine-readable reason, when there is one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class QueueFull(KippError):
@@ -262,18 +267,19 @@ class Scheduler:
         context = model.entry.context_length
         if not 1 <= request.n <= min(MAX_CHOICES, self.max_batch):
             raise SchedulerError(f"n must be in 1..{min(MAX_CHOICES, self.max_batch)}, "
-                                 f"got {request.n}")
+                                 f"got {request.n}", param="n")
         if not request.prompt:
             raise SchedulerError("the prompt is empty")
         model.check_tokens(request.prompt)
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise SchedulerError(f"max_tokens must be a positive integer, got "
-                                 f"{request.max_tokens!r}")
+                                 f"{request.max_tokens!r}", param="max_tokens")
         total = len(request.prompt) + request.max_tokens
         if total > context:
             raise SchedulerError(f"prompt ({len(request.prompt)} tokens) + max_tokens "
                                  f"({request.max_tokens}) = {total} exceeds the context length "
-                                 f"{context}")
+                                 f"{context}", param="max_tokens",
+                                 code="context_length_exceeded")
         worst = request.n * blocks_needed(total)
         if worst > model.pool.num_blocks:
             raise SchedulerError(f"the request needs up to {worst} KV blocks, the pool has "

@@ -179,14 +179,18 @@ def test_logprobs_come_from_the_raw_logits(model):
 def test_rejections_name_the_limit(model):
     scheduler = Scheduler(model, max_queue=2)
     context = model.entry.context_length
-    with pytest.raises(SchedulerError, match="n must be"):
+    with pytest.raises(SchedulerError, match="n must be") as e:
         scheduler.submit(Request(prompt=(1, 2), max_tokens=4, n=9))
-    with pytest.raises(SchedulerError, match="exceeds the context length"):
+    assert (e.value.param, e.value.code) == ("n", None)
+    with pytest.raises(SchedulerError, match="exceeds the context length") as e:
         scheduler.submit(Request(prompt=(1, 2), max_tokens=context))
-    with pytest.raises(SchedulerError, match="KV blocks"):
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(SchedulerError, match="KV blocks") as e:
         scheduler.submit(Request(prompt=(1, 2), max_tokens=context // 2, n=8))
-    with pytest.raises(SchedulerError, match="max_tokens"):
+    assert (e.value.param, e.value.code) == (None, None)
+    with pytest.raises(SchedulerError, match="max_tokens") as e:
         scheduler.submit(Request(prompt=(1, 2), max_tokens=0))
+    assert e.value.param == "max_tokens"
     scheduler.submit(Request(prompt=(1, 2), max_tokens=1))
     scheduler.submit(Request(prompt=(1, 2), max_tokens=1))
     with pytest.raises(QueueFull):

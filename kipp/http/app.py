@@ -105,9 +105,7 @@ def create_app(model, scheduler, *, model_name: str | None = None,
             raise APIError(503, str(e), code="queue_full", type="server_overloaded",
                            headers={"Retry-After": "1"}) from None
         except SchedulerError as e:
-            code = "context_length_exceeded" if "context length" in str(e) else None
-            param = "max_tokens" if code else ("n" if str(e).startswith("n ") else None)
-            raise APIError(400, str(e), param, code) from None
+            raise APIError(400, str(e), e.param, e.code) from None
         shape = _Shape(call, served, token_text)
         if call.stream:
             return Response(_sse(ticket, shape, metrics, scheduler), content_type="text/event-stream",
