@@ -464,6 +464,27 @@ def test_checked_kernel_calls_reach_mlx_without_metal():
         mx.eval(linear.matvec(mx.ones((1, 128)), w))
 
 
+@pytest.mark.parametrize("heads", [16, 40])  # GQA groups 2 and 5
+@pytest.mark.parametrize("n", [1, 7])
+def test_attention_twin_split_over_streams_is_bitwise_one_call(heads, n):
+    """KV-head ranges on 2 and 3 CPU streams (uneven: 3, 3, 2 heads) give the one-call SDPA
+    bit for bit, and the reference's attention within float32 noise."""
+    from kipp.reference import ops
+
+    rng = np.random.default_rng(heads + n)
+    q = rng.standard_normal((n, heads, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((40, 8, 128)).astype(np.float32) for _ in range(2))
+    one = np.array(attention.attention_twin(mx.array(q), mx.array(k), mx.array(v)))
+    for count in (2, 3):
+        streams = tuple(mx.new_stream(mx.cpu) for _ in range(count))
+        split = np.array(attention.attention_twin(mx.array(q), mx.array(k), mx.array(v), streams))
+        assert np.array_equal(split.view(np.uint32), one.view(np.uint32)), count
+    for i in range(n):  # query i sits at position 40 - n + i: sees keys 0 .. 40 - n + i
+        visible = 40 - n + i + 1
+        want = ops.attend(q[i].reshape(8, -1, 128), k[:visible], v[:visible]).reshape(-1)
+        assert gates.nmse(one[i], want) <= 1e-10
+
+
 def test_split_k_merge_equals_one_softmax():
     """The wrapper's merge of per-range partials (what the kernel writes) is the full softmax,
     including an empty range (max MASKED = -1e30, zero denominator)."""

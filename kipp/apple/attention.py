@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kipp.apple.linear import on_stream
 from kipp.errors import KippError
 from kipp.kvquant import ROW_BLOCKS
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
@@ -41,13 +42,29 @@ class AttentionError(KippError, ValueError):
 # ---- twin --------------------------------------------------------------------------------
 
 
-def attention_twin(q: mx.array, keys: mx.array, values: mx.array) -> mx.array:
-    """q [n, H, 128] (the last n of P positions); keys, values [P, 8, 128] -> [n, H * 128]."""
-    n = q.shape[0]
-    out = mx.fast.scaled_dot_product_attention(
-        q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None],
-        values.transpose(1, 0, 2)[None], scale=SCALE, mask="causal" if n > 1 else None)
-    return out[0].transpose(1, 0, 2).reshape(n, -1)  # [n, H * 128]
+def attention_twin(q: mx.array, keys: mx.array, values: mx.array, streams=(None,)) -> mx.array:
+    """q [n, H, 128] (the last n of P positions); keys, values [P, 8, 128] -> [n, H * 128].
+
+    With several CPU streams the KV heads are split into contiguous ranges, one per stream
+    (a KV head and its G query heads stay together), each its own SDPA call: the same
+    per-head arithmetic, so bitwise the one-call result, on every core. Measured on this
+    2-core box, 16 query heads: 512 queries over 512 positions 799 -> 460 ms, one decode
+    query over 640 positions 9.5 -> 5.3 ms."""
+    n, heads = q.shape[0], q.shape[1]
+    group = heads // KV_HEADS
+    bounds = [(KV_HEADS * i // len(streams), KV_HEADS * (i + 1) // len(streams))
+              for i in range(len(streams))]
+    outs = []
+    for stream, (lo, hi) in zip(streams, bounds):
+        if hi == lo:
+            continue
+        with on_stream(stream):
+            out = mx.fast.scaled_dot_product_attention(
+                q[:, lo * group:hi * group].transpose(1, 0, 2)[None],
+                keys[:, lo:hi].transpose(1, 0, 2)[None], values[:, lo:hi].transpose(1, 0, 2)[None],
+                scale=SCALE, mask="causal" if n > 1 else None)
+            outs.append(out[0].transpose(1, 0, 2).reshape(n, -1))  # [n, (hi - lo) G * 128]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
 # ---- kernel ------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class Ops:
         outs = []
         for row, n, visible in r.pieces:
             keys, values = k.rows(layer, visible), v.rows(layer, visible)
-            outs.append(attention.attention_twin(q[row:row + n], keys, values))
+            outs.append(attention.attention_twin(q[row:row + n], keys, values, self.streams))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 

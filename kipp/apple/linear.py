@@ -206,7 +206,7 @@ def ffn_twin(h: mx.array, ffn: SplitFFN, streams=(None,)) -> mx.array:
     for i, (gate_up, down) in enumerate(zip(ffn.gate_up, ffn.down)):
         stream = streams[i % len(streams)]
         y = _shard_matmul(h, gate_up.shards[0], gate_up.fmt, stream)  # [T, 2 I_s]
-        with _on(stream):
+        with on_stream(stream):
             gate, up = mx.split(y, 2, axis=-1)
             act = gate / (1.0 + mx.exp(-gate)) * up
         partials.append(_shard_matmul(act, down.shards[0], down.fmt, stream))
@@ -217,7 +217,7 @@ def ffn_twin(h: mx.array, ffn: SplitFFN, streams=(None,)) -> mx.array:
 
 
 def _shard_matmul(x: mx.array, shard: tuple, fmt: str, stream) -> mx.array:
-    with _on(stream):
+    with on_stream(stream):
         if fmt == "f32":
             return mx.matmul(x, shard[0])  # stored W^T
         q, scales, biases = shard
@@ -233,7 +233,7 @@ def _on_cpu(stream) -> bool:
     return (stream.device if stream is not None else mx.default_device()) == mx.cpu
 
 
-def _on(stream):
+def on_stream(stream):
     """A context running ops on `stream` (None: leave the default stream)."""
     return mx.stream(stream) if stream is not None else contextlib.nullcontext()
 
