@@ -468,7 +468,7 @@ def test_checked_kernel_calls_reach_mlx_without_metal():
 @pytest.mark.parametrize("heads", [16, 40])  # GQA groups 2 and 5
 @pytest.mark.parametrize("n", [1, 7])
 def test_attention_twin_split_over_streams_is_bitwise_one_call(heads, n):
-    """KV-head ranges on 2 and 3 CPU streams (uneven: 3, 3, 2 heads) give the one-call SDPA
+    """KV-head ranges on 2 and 3 CPU streams (uneven: 2, 3, 3 heads) give the one-call SDPA
     bit for bit, and the reference's attention within float32 noise."""
     from kipp.reference import ops
 
