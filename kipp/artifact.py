@@ -12,6 +12,7 @@ norms are stored as F32 (lossless from BF16) because that is what those readers 
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from kipp.errors import ArtifactError, FieldMismatch, RegistryError
 from kipp.gguf import ValueType
 from kipp.quant import GGML_BF16, GGML_F32, SCHEMES, SCHEMES_BY_GGML_TYPE, WeightScheme, dequantize
 from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS, VOCAB_SIZE, Checkpoint
+from kipp.tokenizer import TokenizerData
 
 FORMAT_VERSION = 1
 ARCHITECTURE = "qwen3"
@@ -208,6 +210,24 @@ class Artifact:
     def tokenizer_data(self):
         return _tokenizer_data(self.file)
 
+    def release(self, *tensors: Tensor) -> None:
+        """Drop these tensors' mapped pages from the process's resident set (best effort).
+
+        A backend that copies weights into its own layout calls this after each copy, so the
+        file's pages and the copies are never resident together (peak RSS: the copies, not
+        twice the artifact). The pages stay in the OS page cache and the mapping stays valid: a
+        later read faults them back in. A no-op where madvise is missing."""
+        mapping = getattr(self.file.mapping, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        base = self.file.mapping.ctypes.data
+        for t in tensors:
+            start = t.raw.ctypes.data - base
+            first = start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
+            stop = min(len(mapping), start + t.raw.nbytes)
+            if stop > first:  # a read-only file mapping: dropped pages read back unchanged
+                mapping.madvise(mmap.MADV_DONTNEED, first, stop - first)
+
 
 def open_artifact(path) -> Artifact:
     """Map and validate a Kipp GGUF artifact; raise ArtifactError naming the first problem."""
@@ -223,7 +243,7 @@ def open_artifact(path) -> Artifact:
 
 
 def read_tokenizer_data(path):
-    """The tokenizer data of a validated artifact (`Tokenizer.from_gguf` builds on this)."""
+    """The tokenizer data of a validated artifact (`Tokenizer(read_tokenizer_data(path))`)."""
     return open_artifact(path).tokenizer_data()
 
 
@@ -313,9 +333,7 @@ def _weights(entry: Checkpoint, tensors: dict[str, Tensor]) -> Weights:
     return Weights(embed, layers, tensors["output_norm.weight"], output, entry.tied)
 
 
-def _tokenizer_data(file: gguf.GGUFFile):
-    from kipp.tokenizer import TokenizerData
-
+def _tokenizer_data(file: gguf.GGUFFile) -> TokenizerData:
     template = file.metadata.get("tokenizer.chat_template")
     return TokenizerData(
         tokens=tuple(file.value("tokenizer.ggml.tokens")),

@@ -14,7 +14,6 @@ backend items.
 
 from __future__ import annotations
 
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,15 +23,16 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kipp.artifact import Artifact, open_artifact
+from kipp.backends import BACKENDS, choose_backend, open_backend  # noqa: F401  (BACKENDS: API)
 from kipp.blocks import BLOCK_SIZE, BlockPool
 from kipp.errors import KippError
+from kipp.memory import check_weight_memory
 from kipp.registry import KV_HEADS, VOCAB_SIZE
 from kipp.sampling import Sampler, SamplingParams
 from kipp.session import Session, SessionError
 from kipp.spec import SpecConfig, SpecStats, SpeculativeDecoder
 from kipp.tokenizer import StreamingDetokenizer, Tokenizer
 
-BACKENDS = ("reference", "mlx", "jax")
 KV_SCHEMES = ("bf16", "q8_0")  # the KV slab's storage format (see kipp.kvquant for q8_0)
 JAX_DEFAULT_KV_TOKENS = 8192
 
@@ -43,15 +43,20 @@ class GenerationError(KippError, ValueError):
 
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_tokens: int | None = None, progress: bool = True,
-         kv_scheme: str = "bf16", kv_mib: float | None = None) -> "Model":
+         kv_scheme: str = "bf16", kv_mib: float | None = None,
+         weight_memory: str = "auto") -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
-    with progress output) or a local .gguf artifact path. `kv_tokens` sizes the KV slab
+    with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
+    installed (kipp.backends) and prints why. `kv_tokens` sizes the KV slab
     (default: the checkpoint's context length; the reference backend pages it in lazily).
     `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16").
     `kv_mib` sizes the slab in memory instead of tokens: the same MiB hold ~1.9x more tokens
-    with q8_0 KV (give kv_tokens or kv_mib, not both)."""
+    with q8_0 KV (give kv_tokens or kv_mib, not both). `weight_memory` ("auto", "stored",
+    "float32") says how the jax and mlx backends hold their weights (kipp.memory)."""
     if kv_scheme not in KV_SCHEMES:
         raise KippError(f"unknown kv_scheme {kv_scheme!r}; choose from {', '.join(KV_SCHEMES)}")
+    check_weight_memory(weight_memory)
+    choice = choose_backend(backend)
     path = Path(checkpoint)
     if path.suffix == ".gguf" or path.is_file():
         artifact = open_artifact(path)
@@ -63,7 +68,14 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
         if kv_tokens is not None:
             raise KippError("give kv_tokens or kv_mib, not both")
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
-    return Model(artifact, _make_backend(artifact, backend, kv_tokens, progress, kv_scheme))
+    options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
+    if weight_memory != "auto":
+        options["weight_memory"] = weight_memory
+    backend = open_backend(choice.name, artifact, _num_blocks(artifact, choice.name, kv_tokens),
+                           **options)
+    if progress:
+        print(f"kipp: backend {backend.describe()} ({choice.reason})", file=sys.stderr)
+    return Model(artifact, backend)
 
 
 def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
@@ -78,52 +90,15 @@ def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
     return tokens
 
 
-def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose: bool,
-                  kv_scheme: str = "bf16"):
-    if name not in BACKENDS + ("auto",):
-        raise KippError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
-    chosen, why = _choose_backend(name)
+def _num_blocks(artifact: Artifact, backend: str, kv_tokens: int | None) -> int:
     context = artifact.entry.context_length
-    # The reference pages its slab in lazily; the JAX slab is allocated up front, so it gets a
-    # smaller default (4.7 GB at 0.6B for the whole 40,960-token context).
-    default = context if chosen == "reference" else min(context, JAX_DEFAULT_KV_TOKENS)
+    # The reference pages its slab in lazily; the JAX and MLX slabs are allocated up front, so
+    # they get a smaller default (4.7 GB at 0.6B for the whole 40,960-token context).
+    default = context if backend == "reference" else min(context, JAX_DEFAULT_KV_TOKENS)
     tokens = default if kv_tokens is None else kv_tokens
     if tokens < BLOCK_SIZE:
         raise KippError(f"kv_tokens {tokens} is below one {BLOCK_SIZE}-token block")
-    num_blocks = -(-tokens // BLOCK_SIZE)
-    options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
-    if chosen == "mlx":
-        from kipp.apple.backend import make_backend
-
-        backend = make_backend(artifact, num_blocks, **options)
-    elif chosen == "jax":
-        from kipp.cuda.backend import make_backend
-
-        backend = make_backend(artifact, num_blocks, **options)
-    else:
-        from kipp.reference.backend import ReferenceBackend
-
-        backend = ReferenceBackend(artifact, num_blocks, **options)
-    if verbose:
-        print(f"kipp: backend {backend.describe()} ({why})", file=sys.stderr)
-    return backend
-
-
-def _choose_backend(name: str) -> tuple[str, str]:
-    if name != "auto":
-        return name, "requested"
-    from kipp.cuda import jax_sees_gpu
-
-    if jax_sees_gpu():
-        return "jax", "auto: JAX sees a GPU"
-    if sys.platform == "darwin" and platform.machine() == "arm64":
-        from kipp.apple import mlx_usable
-
-        usable, why = mlx_usable()
-        if usable:
-            return "mlx", f"auto: Apple silicon with {why}"
-        return "reference", f"auto: Apple silicon, but {why} (pip install 'kipp[apple]')"
-    return "reference", "auto: no GPU for JAX and not Apple silicon (MLX's Metal kernels)"
+    return -(-tokens // BLOCK_SIZE)
 
 
 @dataclass

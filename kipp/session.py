@@ -8,17 +8,25 @@ them. Every method either completes or leaves the session exactly as it was.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from kipp.backend import EvalItem
-from kipp.blocks import BLOCK_SIZE
+from kipp.blocks import BLOCK_SIZE, BlockPool, Reservation
 from kipp.errors import KippError
+from kipp.registry import Checkpoint
 
-if TYPE_CHECKING:
-    from kipp.blocks import Reservation
-    from kipp.model import Model
+
+class SessionOwner(Protocol):
+    """What a session needs of its model (kipp.model.Model): sessions never import the model."""
+
+    entry: Checkpoint
+    pool: BlockPool
+
+    def check_tokens(self, tokens: Sequence[int]) -> list[int]: ...
+
+    def eval_batch(self, requests) -> list[np.ndarray]: ...
 
 
 class SessionError(KippError, ValueError):
@@ -32,8 +40,8 @@ def _blocks_for(positions: int) -> int:
 class Session:
     """One sequence on a model. Use as a context manager, or call close() when done."""
 
-    def __init__(self, model: "Model", capacity: int | None = None,
-                 reservation: "Reservation | None" = None):
+    def __init__(self, model: SessionOwner, capacity: int | None = None,
+                 reservation: Reservation | None = None):
         context = model.entry.context_length
         capacity = context if capacity is None else capacity
         if not 1 <= capacity <= context:

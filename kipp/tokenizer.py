@@ -251,7 +251,8 @@ def _eos_id(config: dict, tokens: tuple[str, ...]) -> int:
 
 
 class Tokenizer:
-    """The Qwen3 tokenizer. Build it with from_files, from_gguf, or from a TokenizerData."""
+    """The Qwen3 tokenizer. Build it with from_files, or from a TokenizerData (an artifact's:
+    `Tokenizer(open_artifact(path).tokenizer_data())`; the tokenizer knows no file format)."""
 
     def __init__(self, data: TokenizerData):
         self.data = data
@@ -275,13 +276,6 @@ class Tokenizer:
     def from_files(cls, tokenizer_json_path, tokenizer_config_json_path) -> "Tokenizer":
         """Load from a Hugging Face tokenizer.json + tokenizer_config.json pair."""
         return cls(load_tokenizer_files(tokenizer_json_path, tokenizer_config_json_path))
-
-    @classmethod
-    def from_gguf(cls, path) -> "Tokenizer":
-        """Load from the tokenizer.ggml.* fields of a Kipp GGUF artifact."""
-        from kipp.artifact import read_tokenizer_data
-
-        return cls(read_tokenizer_data(path))
 
     @property
     def vocab_size(self) -> int:

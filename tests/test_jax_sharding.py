@@ -1,7 +1,7 @@
 """Tensor parallelism over a jax.sharding.Mesh: two CPU devices vs one, logits within 1e-4.
 
 XLA_FLAGS must be set before JAX initialises, so the comparison runs in a subprocess
-(`python -m kipp.cuda.sharding`).
+(`python -m kipp.cuda.shard_check`).
 """
 
 import json
@@ -22,7 +22,7 @@ def test_two_devices_match_one(artifacts, checkpoint_id, scheme, layout):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu")
     run = subprocess.run(
-        [sys.executable, "-m", "kipp.cuda.sharding", str(artifacts(checkpoint_id, scheme)),
+        [sys.executable, "-m", "kipp.cuda.shard_check", str(artifacts(checkpoint_id, scheme)),
          "--devices", "2", "--layout", layout],
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

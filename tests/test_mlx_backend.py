@@ -315,17 +315,17 @@ def test_describe_names_the_path_for_the_bench(artifacts, monkeypatch):
 
 
 def test_auto_picks_mlx_on_apple_silicon(monkeypatch):
-    from kipp import model
+    from kipp import backends
     import kipp.cuda
 
     monkeypatch.setattr(kipp.cuda, "jax_sees_gpu", lambda: False)
-    monkeypatch.setattr(model.sys, "platform", "darwin")
-    monkeypatch.setattr(model.platform, "machine", lambda: "arm64")
-    chosen, why = model._choose_backend("auto")
-    assert chosen == "mlx" and "mlx" in why
+    monkeypatch.setattr(backends, "apple_silicon", lambda: True)
+    choice = backends.choose_backend("auto")
+    assert choice.name == "mlx" and "mlx" in choice.reason and "Metal" in choice.reason
     monkeypatch.setattr("kipp.apple.mlx_usable", lambda: (False, "mlx does not import"))
-    chosen, why = model._choose_backend("auto")
-    assert chosen == "reference" and "does not import" in why
+    monkeypatch.setattr(kipp.cuda, "jax_usable", lambda: (False, "jax does not import"))
+    choice = backends.choose_backend("auto")
+    assert choice.name == "reference" and "does not import" in choice.reason
 
 
 def test_make_backend_without_mlx_is_a_clear_error(artifacts, monkeypatch):

@@ -9,7 +9,7 @@ At load the path is chosen once (kipp.apple.select), the weights are prepared on
 path's layout (kipp.apple.linear.prepare: BF16 planes and the artifact's quantized planes for
 the kernels; float32 and MLX's affine repack for the twins, never widened for quantized
 schemes) and the KV slab is allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits
-the items into rounds (kipp.cuda.rounds' planner: one piece of each item per round, at most
+the items into rounds (kipp.rounds' planner: one piece of each item per round, at most
 `max_round_tokens` tokens), builds one lazy MLX graph per round, evaluates the requested logits
 rows together with the slab, and copies the logits to numpy.
 """
@@ -25,10 +25,10 @@ import numpy as np
 from kipp.apple import select
 from kipp.artifact import Artifact
 from kipp.backend import Backend, EvalItem
-from kipp.cuda.rounds import Piece, plan_rounds
 from kipp.errors import KippError
-from kipp.reference import ops as reference_ops
 from kipp.registry import KV_BLOCK, VOCAB_SIZE
+from kipp.rope import rope_tables
+from kipp.rounds import Piece, plan_rounds
 
 try:  # kipp.model imports make_backend on any machine; MLX itself may be missing
     import mlx.core as mx
@@ -124,7 +124,7 @@ class MLXBackend(Backend):
                 dests.append((p.item, t - first))
             row += n
         tokens, positions = np.concatenate(tokens), np.concatenate(positions)
-        cos, sin = reference_ops.rope_tables(positions, self.entry.rope_theta)
+        cos, sin = rope_tables(positions, self.entry.rope_theta)
         x = self.artifact.weights.token_embd.bf16()[tokens].astype(np.float32)
         r = forward.Round(
             x=mx.array(x), cos=mx.array(cos), sin=mx.array(sin),

@@ -8,8 +8,8 @@ arrays), layout (weights prepared per device), select (kernels or twins, and why
 (tensor parallelism over a Mesh), bench (speed), and one file per Pallas kernel with its
 jax.numpy twin beside it: quant_matmul, decode_attention, prefill_attention.
 
-This package imports JAX only when its modules are imported, so `jax_sees_gpu` can be asked
-on machines without JAX.
+This package imports JAX only when its modules are imported, so `jax_sees_gpu` and
+`jax_usable` can be asked on machines without JAX.
 """
 
 
@@ -21,3 +21,13 @@ def jax_sees_gpu() -> bool:
         return jax.default_backend() == "gpu"
     except Exception:  # JAX missing, or its GPU plugin failing to initialise
         return False
+
+
+def jax_usable() -> tuple[bool, str]:
+    """(True, "jax X on <platform>") when JAX imports and has a device, else (False, why)."""
+    try:
+        import jax
+
+        return True, f"jax {jax.__version__} on {jax.default_backend()}"
+    except Exception as e:  # ImportError, or a plugin failing to initialise
+        return False, f"jax does not import ({type(e).__name__}: {e})"

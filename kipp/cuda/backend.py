@@ -36,8 +36,8 @@ from kipp.artifact import Artifact
 from kipp.backend import Backend, EvalItem
 from kipp.cuda import forward, layout, rounds, select
 from kipp.errors import KippError
-from kipp.reference import ops as reference_ops
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS, VOCAB_SIZE
+from kipp.rope import rope_tables
 
 log = logging.getLogger("kipp.cuda")
 
@@ -77,7 +77,7 @@ class JaxBackend(Backend):
 
     def _load(self, artifact: Artifact, platform: str) -> None:
         params = layout.prepare_weights(artifact, self.layout)
-        cos, sin = reference_ops.rope_tables(np.arange(self.entry.context_length),
+        cos, sin = rope_tables(np.arange(self.entry.context_length),
                                              self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
         if self.mesh is not None:

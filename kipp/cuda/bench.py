@@ -124,9 +124,9 @@ def run(path, prompt: int, decode: int, batches: list[int], reference: bool, kv_
 
 
 def _reference_row(artifact, base: dict, prompt: int, decode: int) -> dict:
-    from kipp.reference.backend import ReferenceBackend
+    from kipp.backends import open_backend  # through the core: backends never import each other
 
-    ref = ReferenceBackend(artifact, -(-(prompt + decode + 2) // KV_BLOCK))
+    ref = open_backend("reference", artifact, -(-(prompt + decode + 2) // KV_BLOCK))
     result = dict(base, backend=ref.describe(), compile_s=[])
     result.update(bench_prefill(ref, prompt, repeats=1))
     result.update(bench_decode(ref, prompt, decode, 1))

@@ -1,9 +1,7 @@
-"""The one place JaxBackend turns eval items into device arrays: rounds, buckets, padding.
+"""The one place JaxBackend turns eval items into device arrays: buckets and padding.
 
-An eval call runs as rounds. A round holds at most one contiguous piece of each item (a prefill
-chunk or a decode token), `max_tokens` tokens in all, so one compiled step reads the weights
-once for every sequence in it. A piece's tokens must follow its item's earlier pieces, so an
-item longer than the budget continues in the next round.
+Rounds are planned by the core (kipp.rounds.plan_rounds: one piece of each item per round, at
+most `max_tokens` tokens), so one compiled step reads the weights once for every sequence in it.
 
 Every array dimension is padded to a power-of-two bucket (tokens, sequences, queries per
 sequence, blocks per sequence, logits rows), so a server run compiles a small bounded set of
@@ -20,6 +18,7 @@ import numpy as np
 
 from kipp.backend import EvalItem
 from kipp.registry import KV_BLOCK
+from kipp.rounds import Piece, plan_rounds  # noqa: F401  (the core's planner, re-exported)
 
 
 @dataclass(frozen=True, order=True)
@@ -50,35 +49,9 @@ class RoundArrays(NamedTuple):
     logit_rows: np.ndarray  # [R] token rows whose logits the step returns
 
 
-@dataclass(frozen=True)
-class Piece:
-    item: int  # index into the eval call's items
-    start: int  # first token of the item in this piece
-    stop: int
-
-
 def bucket_size(n: int) -> int:
     """The power of two at or above n (n >= 1)."""
     return 1 << max(0, n - 1).bit_length()
-
-
-def plan_rounds(items: Sequence[EvalItem], max_tokens: int) -> list[list[Piece]]:
-    """Split items into rounds of at most `max_tokens` tokens, one piece per item per round."""
-    done = [0] * len(items)
-    rounds = []
-    while any(d < len(item.tokens) for d, item in zip(done, items)):
-        budget, pieces = max_tokens, []
-        # shortest remainder first: decode tokens never wait behind a long prefill
-        order = sorted(range(len(items)), key=lambda i: len(items[i].tokens) - done[i])
-        for i in order:
-            item = items[i]
-            take = min(len(item.tokens) - done[i], budget)
-            if take > 0:
-                pieces.append(Piece(i, done[i], done[i] + take))
-                done[i] += take
-                budget -= take
-        rounds.append(pieces)
-    return rounds
 
 
 def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: int,

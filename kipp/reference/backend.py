@@ -168,3 +168,15 @@ def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
     positions = np.arange(start, stop)
     table = np.asarray(item.block_table, np.int64)
     return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
+
+
+def make_backend(artifact: Artifact, num_blocks: int, *, weight_memory: str = "auto",
+                 fallback: bool | None = None, **options) -> ReferenceBackend:
+    """The constructor kipp.backends uses. The reference reads the mapped artifact in place
+    (weight_memory is always "stored") and runs no kernels (nothing to fall back from)."""
+    from kipp.memory import check_weight_memory
+
+    if check_weight_memory(weight_memory) == "float32":
+        raise KippError("the reference backend reads the artifact in place: weight_memory="
+                        "'float32' applies to the jax and mlx backends")
+    return ReferenceBackend(artifact, num_blocks, **options)

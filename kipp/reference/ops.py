@@ -18,6 +18,7 @@ import numpy as np
 from kipp.artifact import Tensor
 from kipp.quant import GGML_BF16, GGML_F32
 from kipp.registry import HEAD_DIM, RMS_NORM_EPS
+from kipp.rope import rope_tables  # noqa: F401  (the reference's step (4) uses it as ops.rope_tables)
 
 _CHUNK_FLOATS = 1 << 20  # weight elements converted at once: ~4 MiB of float32
 
@@ -51,14 +52,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, float32."""
     mean_square = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
     return x * (1.0 / np.sqrt(mean_square + np.float32(RMS_NORM_EPS))) * weight
-
-
-def rope_tables(positions: np.ndarray, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [T, 128] for rotate-half (NEOX) RoPE; angles in float64, tables float32."""
-    inv_freq = 1.0 / theta ** (np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, 64]
-    angles = np.concatenate([angles, angles], axis=-1)  # [T, 128]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

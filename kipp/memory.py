@@ -1,0 +1,75 @@
+"""How a backend holds the weights its twins multiply: as stored, or as a float32 copy.
+
+`weight_memory` (kipp.load, `--weight-memory`) is one of:
+- "stored": the artifact's own format (BF16, or the quantized planes / MLX's affine repack),
+  widened or dequantized per chunk inside each matmul. What the kernels read; never more
+  memory than the artifact's weights.
+- "float32": BF16 weights widened once at load (4 bytes per weight). On a CPU that is today's
+  fast path for multi-row matmuls (kipp.cuda.layout, kipp.apple.linear measure it), at twice the
+  memory of BF16.
+- "auto": on a GPU (Metal or CUDA) always "stored" (a fallback must fit where the kernels fit);
+  on a CPU "float32" when the copy fits the budget, half the memory available now, else
+  "stored". The choice and its reason go into `Backend.describe()`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from kipp.errors import KippError
+
+WEIGHT_MEMORY = ("auto", "stored", "float32")
+BUDGET_FRACTION = 0.5  # of the available memory: room for the KV slab, activations, the OS
+
+
+@dataclass(frozen=True)
+class WeightMemory:
+    mode: str  # "stored" or "float32"
+    reason: str
+
+
+def check_weight_memory(requested: str) -> str:
+    if requested not in WEIGHT_MEMORY:
+        raise KippError(f"unknown weight_memory {requested!r}; choose from "
+                        f"{', '.join(WEIGHT_MEMORY)}")
+    return requested
+
+
+def available_bytes() -> int:
+    """Memory available to a new allocation: Linux's MemAvailable, else the physical memory."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def weight_budget() -> int:
+    """Bytes a float32 weight copy may take before "auto" keeps the stored format instead."""
+    return int(BUDGET_FRACTION * available_bytes())
+
+
+def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int) -> WeightMemory:
+    """"stored" or "float32" for `requested` (module docstring); `float32_bytes` is what the
+    backend's float32 copy would take."""
+    check_weight_memory(requested)
+    if gpu:
+        if requested == "float32":
+            raise KippError("weight_memory='float32' is a CPU layout; on a GPU the twins read "
+                            "the stored format (use 'auto' or 'stored')")
+        return WeightMemory("stored", "a GPU reads the stored format")
+    if requested != "auto":
+        return WeightMemory(requested, f"weight_memory={requested!r} requested")
+    budget = weight_budget()
+    size = f"{float32_bytes / 2**30:.2f} GiB float32 copy"
+    if float32_bytes <= budget:
+        return WeightMemory("float32", f"auto: the {size} fits the budget "
+                                       f"({budget / 2**30:.1f} GiB, half the available memory)")
+    return WeightMemory("stored", f"auto: a {size} would exceed the budget "
+                                  f"({budget / 2**30:.1f} GiB, half the available memory)")
