@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from kipp.errors import KippError
+from kipp.probe import KernelReport
 from kipp.registry import KV_BLOCK, VOCAB_SIZE
 
 
@@ -82,6 +83,11 @@ class Backend(ABC):
     def describe(self) -> str:
         """One line naming the backend and the path it runs (for logs and benchmarks)."""
         return self.name
+
+    def kernel_report(self) -> KernelReport:
+        """The kernels this backend probed at load: which run, which fell back to their twins
+        and why (kipp.probe). Empty for a backend that runs no kernels."""
+        return KernelReport()
 
     def check(self, items: Sequence[EvalItem]) -> None:
         """Reject, before any work, items this backend cannot run."""

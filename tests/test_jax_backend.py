@@ -188,15 +188,23 @@ def test_whole_step_with_kernels_lowers_for_cuda(artifacts, scheme):
 
 def test_kernels_that_fail_to_compile_fall_back_to_twins(artifacts, monkeypatch, caplog):
     """On a CPU, compiled (non-interpret) Pallas kernels cannot lower: the stand-in for a
-    Triton failure on a GPU. The backend must warn, run the twins and say so."""
+    Triton failure on a GPU. Every kernel's probe must fail, warn, and the twins run."""
+    from kipp import probe
+
+    probe.clear_cache()
     monkeypatch.setattr(select, "choose_path",
                         lambda *a: select.Choice(True, False, "forced by the test"))
-    ref, jb = _backends(artifacts, TINY, "q8_0", weight_layout="device")
-    item = EvalItem(_tokens(6, 5), 0, (2,))
     with caplog.at_level("WARNING", logger="kipp.cuda"):
-        [got] = jb.eval([item])
-    assert "failed to compile" in caplog.text and "jax.numpy twins" in jb.describe()
+        ref, jb = _backends(artifacts, TINY, "q8_0", weight_layout="device")
+    assert "kernel matvec/q8_0 failed" in caplog.text
+    assert jb.kernel_report().running == [] and "fell back to twins" in jb.describe()
+    assert set(jb.kernel_report().fell_back) == {
+        "matvec/q8_0", "matmul/q8_0", "matvec/bf16", "matmul/bf16", "decode_attention/bf16",
+        "prefill_attention/bf16"}
+    item = EvalItem(_tokens(6, 5), 0, (2,))
+    [got] = jb.eval([item])
     _check_rows(got, ref.eval([item])[0], "fallback")
+    probe.clear_cache()
 
 
 def test_round_planning_and_packing():

@@ -641,6 +641,9 @@ def _emulated_decode_attention(kv_scheme):
 
 @pytest.fixture
 def emulated_kernels(monkeypatch):
+    from kipp import probe
+
+    probe.clear_cache()  # probe results are cached per process: these kernels are new
     monkeypatch.setattr(select, "choose_path",
                         lambda requested="auto", metal=None: select.Choice(True, "emulated"))
     monkeypatch.setattr(linear, "kernel", _emulated_linear)

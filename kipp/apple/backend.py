@@ -2,16 +2,22 @@
 
     backend = MLXBackend(open_artifact("tiny.gguf"), num_blocks=64)  # or kipp.load(..., "mlx")
     backend.describe()  # 'mlx (MLX-op twins on cpu: no Metal device (...); f32 weights from
-                        #  the bf16 artifact, 2 CPU streams)'
+                        #  the bf16 artifact (auto: the ... float32 copy fits the budget ...),
+                        #  2 CPU streams)'
     [logits] = backend.eval([EvalItem((9707, 11, 1879), 0, (5, 2))])
 
-At load the path is chosen once (kipp.apple.select), the weights are prepared once in that
-path's layout (kipp.apple.linear.prepare: BF16 planes and the artifact's quantized planes for
-the kernels; float32 and MLX's affine repack for the twins, never widened for quantized
-schemes) and the KV slab is allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits
-the items into rounds (kipp.rounds' planner: one piece of each item per round, at most
-`max_round_tokens` tokens), builds one lazy MLX graph per round, evaluates the requested logits
-rows together with the slab, and copies the logits to numpy.
+At load the path is chosen once (kipp.apple.select). On the kernel path every Metal kernel
+variant the checkpoint uses is first probed against its twin (kipp.apple.probe, kipp.probe):
+one that fails to compile, raises or disagrees is replaced by its twin, per kernel, with a
+warning, and `describe()` / `kernel_report()` name it (fallback=False or KIPP_KERNEL_FALLBACK=0
+raise instead). The weights are prepared once in the path's layout (kipp.apple.linear): the
+artifact's own planes for the kernels (and for the twins replacing a failed kernel); for the
+twin path float32 or stored BF16 as `weight_memory` decides (kipp.memory: stored on a GPU;
+float32 on a CPU when it fits the budget), MLX's affine repack for quantized projections. The
+KV slab is allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits the items into
+rounds (kipp.rounds: one piece of each item per round, at most `max_round_tokens` tokens),
+builds one lazy MLX graph per round, evaluates the requested logits rows together with the
+slab, and copies the logits to numpy.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kipp import memory, probe
 from kipp.apple import select
 from kipp.artifact import Artifact
 from kipp.backend import Backend, EvalItem
@@ -55,7 +62,8 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
-                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS):
+                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS,
+                 weight_memory: str = "auto", fallback: bool | None = None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         if max_round_tokens < 1:
@@ -64,28 +72,45 @@ class MLXBackend(Backend):
         self.choice = select.choose_path(path)
         gpu = mx.default_device() == mx.gpu
         self.device = "gpu" if gpu else "cpu"
-        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)))
         self.max_round_tokens = max_round_tokens
         self.kv_scheme = kv_scheme
+        fallback = probe.fallback_enabled(fallback)
+        # The kernels read the stored format, and so do the twins that replace them (a GPU)
+        self.memory = memory.choose_weight_memory(
+            weight_memory, gpu=gpu or self.choice.kernels, float32_bytes=_float32_bytes(artifact))
+        self.kernels = self._probe(fallback) if self.choice.kernels else probe.KernelReport()
+        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)),
+                               frozenset(self.kernels.fell_back))
         start = time.perf_counter()
-        self.weights = _prepare(artifact, self.choice.kernels, len(self.ops.streams))
+        self.weights = _prepare(artifact, self.choice.kernels, len(self.ops.streams),
+                                self.memory.mode == "stored")
         slots = num_blocks * KV_BLOCK
         self.k_cache = KVSlab(entry.layers, slots, kv_scheme)
         self.v_cache = KVSlab(entry.layers, slots, kv_scheme)
         log.info("%s (weights prepared in %.1f s)", self.describe(), time.perf_counter() - start)
 
+    def _probe(self, fallback: bool) -> probe.KernelReport:
+        """Every kernel variant this checkpoint uses, against its twin (kipp.apple.probe)."""
+        from kipp.apple import probe as probes
+
+        checks = probes.probes(self.scheme.name, self.kv_scheme, self.entry.query_heads)
+        report = probe.run_probes(checks, ("mlx", str(mx.default_device())), fallback, log)
+        log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
+        return report
+
     def describe(self) -> str:
         if self.choice.kernels:
-            layout = f"{self.scheme.name} weights as stored"
-        elif self.scheme.name == "bf16":
-            layout = "f32 weights from the bf16 artifact"
+            layout = f"{self.scheme.name} weights as stored; {self.kernels.summary()}"
         else:
-            layout = f"{self.scheme.name} weights as MLX affine group-32"
+            layout = f"{_twin_layout(self.scheme.name, self.memory.mode)} ({self.memory.reason})"
         streams = len(self.ops.streams)
         where = f", {streams} CPU streams" if self.device == "cpu" and streams > 1 else ""
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
         return (f"mlx ({self.choice.label} on {self.device}: {self.choice.reason}; "
                 f"{layout}{where}{kv})")
+
+    def kernel_report(self) -> probe.KernelReport:
+        return self.kernels
 
     @property
     def weight_bytes(self) -> int:
@@ -149,23 +174,50 @@ def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
     return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
 
 
-def _prepare(artifact: Artifact, kernels: bool, n_shards: int) -> forward.Weights:
+def _twin_layout(scheme: str, mode: str) -> str:
+    head = "f32" if mode == "float32" else "bf16 as stored"
+    if scheme == "bf16":
+        return "f32 weights from the bf16 artifact" if mode == "float32" else \
+            "bf16 weights as stored"
+    return f"{scheme} weights as MLX affine group-32, {head} head"
+
+
+def _float32_bytes(artifact: Artifact) -> int:
+    """What the float32 twins would hold: BF16 projections and the head widened (quantized
+    projections stay in MLX's affine repack either way)."""
+    w = artifact.weights
+    count = w.output.shape[0] * w.output.shape[1]
+    if artifact.scheme.name == "bf16":
+        count += sum(getattr(layer, name).shape[0] * getattr(layer, name).shape[1]
+                     for layer in w.layers for name in PROJECTIONS)
+    return 4 * count
+
+
+def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool) -> forward.Weights:
     """Kernels: the seven projections as stored ("q" ... "down"). Twins: "qkv" stacked, "o",
-    and "ffn" split tensor-parallel over the streams (kipp.apple.linear)."""
+    and "ffn" split tensor-parallel over the streams (kipp.apple.linear), float32 or `stored`.
+    Each tensor's mapped pages are released once copied: file and copies are never both
+    resident (peak RSS)."""
     w = artifact.weights
     layers = []
     for layer in w.layers:
         if kernels:
             params = {name: linear.prepare(getattr(layer, name), True) for name in PROJECTIONS}
         else:
-            params = {"qkv": linear.prepare_twin([layer.q, layer.k, layer.v], n_shards),
-                      "o": linear.prepare_twin([layer.o], n_shards),
-                      "ffn": linear.prepare_ffn_twin(layer.gate, layer.up, layer.down, n_shards)}
+            params = {"qkv": linear.prepare_twin([layer.q, layer.k, layer.v], n_shards, stored),
+                      "o": linear.prepare_twin([layer.o], n_shards, stored),
+                      "ffn": linear.prepare_ffn_twin(layer.gate, layer.up, layer.down, n_shards,
+                                                     stored)}
         params.update({name: mx.array(getattr(layer, name).f32()) for name in NORMS})
+        mx.eval([a for value in params.values()
+                 for a in ([value] if isinstance(value, mx.array) else value.arrays())])
+        artifact.release(*(getattr(layer, name) for name in PROJECTIONS))
         layers.append(params)
-    head = linear.prepare(w.output, kernels, n_shards)
+    head = (linear.prepare(w.output, True) if kernels else
+            linear.prepare_twin([w.output], n_shards, stored))
     weights = forward.Weights(layers, mx.array(w.output_norm.f32()), head)
     mx.eval(_arrays(weights))
+    artifact.release(w.output)
     return weights
 
 

@@ -25,17 +25,26 @@ from kipp.apple.linear import Linear
 from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
 
 
+def kernel_name(rows: int, fmt: str) -> str:
+    """The linear kernel variant a call of `rows` tokens in weight format `fmt` runs."""
+    return f"{'matvec' if rows <= linear.MATVEC_ROWS else 'matmul'}/{fmt}"
+
+
 @dataclass
 class Ops:
-    """How projections and attention run: Metal kernels or MLX-op twins (kipp.apple.select)."""
+    """How projections and attention run: Metal kernels or MLX-op twins (kipp.apple.select),
+    and on the kernel path, the kernel variants that failed their probe and run their twins."""
 
     kernels: bool
     streams: tuple = (None,)  # twin projections: one shard per stream
+    twins: frozenset = frozenset()  # kernel variants replaced by twins ("matvec/q8_0", ...)
 
     def linear(self, x: mx.array, w: Linear) -> mx.array:
-        if self.kernels:
-            return linear.linear_kernel(x, w)
-        return linear.linear_twin(x, w, self.streams)
+        if not self.kernels:
+            return linear.linear_twin(x, w, self.streams)
+        if kernel_name(x.shape[0], w.fmt) in self.twins:
+            return linear.planes_twin(x, w)
+        return linear.linear_kernel(x, w)
 
     def qkv(self, h: mx.array, p: dict) -> tuple[mx.array, mx.array, mx.array]:
         """Q [T, H * 128], K and V [T, 8 * 128]: three kernel calls, or one stacked twin."""
@@ -54,7 +63,7 @@ class Ops:
 
     def attention(self, q, k: KVSlab, v: KVSlab, layer: int, r: "Round") -> mx.array:
         """q [T, H, 128] of the round -> [T, H * 128]."""
-        if self.kernels and r.decode_only:
+        if self.kernels and r.decode_only and f"decode_attention/{k.scheme}" not in self.twins:
             planes = k.kernel_planes(layer) + v.kernel_planes(layer)
             return attention.decode_attention(q, planes, r.tables, r.lengths, k.scheme)
         outs = []

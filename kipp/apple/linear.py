@@ -2,9 +2,18 @@
 
 `x` is float32 [M, K]; W [N, K] is one prepared projection (`Linear`). Output float32 [M, N].
 
-Twin (no Metal, or KIPP_MLX_TWINS=1): `mx.matmul` on float32 weights (BF16 widened once at
-load, exact) stored transposed, W^T [K, N] contiguous; or `mx.quantized_matmul` on the affine
-repack (kipp.apple.repack), never widened in memory. Measured on this 2-core box, [3072, 1024]:
+Twin (no Metal, KIPP_MLX_TWINS=1, or a kernel that failed its probe at load): three layouts.
+- float32 (weight_memory "float32", a CPU's default when the copy fits; kipp.memory): BF16
+  widened once at load (exact), stored transposed, W^T [K, N] contiguous, one `mx.matmul`.
+- stored (weight_memory "stored", and always on a GPU): BF16 kept as BF16 W^T, widened to
+  float32 one chunk of CHUNK_ELEMENTS weights at a time inside the matmul (exact, and the
+  transient is one chunk, never a copy of the weight). MLX's own promotion of a BF16 operand
+  widens the whole weight per call: the 151,936-row head at 0.6B is a 622 MB transient.
+- quantized schemes, in both modes: `mx.quantized_matmul` on the affine repack
+  (kipp.apple.repack), never widened in memory.
+And `planes_twin`, the per-kernel fallback on Metal: the same product read from the kernels'
+own planes (dequantized per chunk), so a kernel that fails its probe costs no second copy.
+Measured on this 2-core box, [3072, 1024]:
 - Transposed storage: the Linux wheel's CPU matmul is the reference BLAS, whose sgemm walks B
   with a unit stride only when B is not transposed. One stream, x @ W.T 3.9 ms vs x @ W^T
   stored 2.1 ms at one token; 495 ms vs 227 ms at 128 tokens.
@@ -18,9 +27,10 @@ repack (kipp.apple.repack), never widened in memory. Measured on this 2-core box
   head likewise, each stream's rows concatenated after; the feed-forward block is split
   tensor-parallel (`SplitFFN`): a stream runs its share of the intermediate dims through gate,
   up, SiLU and down, and the streams meet once to add.
-- Why float32 and not BF16 on the CPU: MLX promotes a BF16 weight to float32 for a float32
+- Why float32 when it fits, on the CPU: MLX promotes a BF16 weight to float32 for a float32
   activation, a full copy per call (the 151,936-row head, one stream, one token: 600 ms that
-  way, against 89 ms for the stored float32 W^T).
+  way, against 89 ms for the stored float32 W^T). The stored twin pays the widening per
+  chunk instead: bench/README.md has its decode speed and peak RSS at the 0.6B shape.
 
 Kernels (Metal; the artifact's own bytes, kipp.apple.repack's planes; BF16 stays BF16):
 - `matvec` for decode (M <= MATVEC_ROWS): one simdgroup per output row, each lane walks the
@@ -54,6 +64,7 @@ from kipp.errors import KippError
 from kipp.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
 
 DEQUANTIZE_ROWS = 8  # twin: from this many tokens, dequantize a shard for one BLAS matmul
+CHUNK_ELEMENTS = 1 << 22  # stored twins widen this many weights at a time (16 MiB of float32)
 MATVEC_ROWS = 8  # decode rounds up to this many tokens use the matvec kernel
 MATVEC_ROWS_PER_GROUP = 4  # simdgroups (output rows) per threadgroup
 TILE = 32  # matmul tile: tokens and outputs per threadgroup
@@ -68,9 +79,10 @@ class LinearError(KippError, ValueError):
 class Linear:
     """One prepared projection W [rows, cols] for one path.
 
-    fmt: "f32" (twin, widened BF16), "bf16" (kernel), or a quantized scheme.
-    shards (twin): per CPU stream, (w^T,) float32 [cols, rows_s] or (w, scales, biases) MLX
-      affine [rows_s, ...]; the rows of W split over the shards.
+    fmt: "f32" (twin, widened BF16), "bf16" (kernel planes, or stored twin shards), or a
+      quantized scheme.
+    shards (twin): per CPU stream, (w^T,) float32 or bfloat16 [cols, rows_s], or (w, scales,
+      biases) MLX affine [rows_s, ...]; the rows of W split over the shards.
     planes (kernel): (w,) BF16 bits uint16 [rows, cols]; (q, d) or (q, d, m) (repack.Planes).
     """
 
@@ -122,42 +134,51 @@ def prepare(t: Tensor, kernels: bool, n_shards: int = 1) -> Linear:
     return Linear(scheme.name, rows, cols, planes=planes)
 
 
-def prepare_twin(tensors: list[Tensor], n_shards: int = 1) -> Linear:
+def prepare_twin(tensors: list[Tensor], n_shards: int = 1, stored: bool = False) -> Linear:
     """The twins' layout of `tensors` stacked by rows (one matmul for Q, K and V), split into
-    `n_shards` row shards: float32 (BF16 widened, exact) or the MLX affine repack."""
-    parts = [_twin_rows(t) for t in tensors]
+    `n_shards` row shards: float32 (BF16 widened, exact), BF16 as stored (`stored`), or the MLX
+    affine repack."""
+    fmt = _twin_format(tensors[0], stored)
+    parts = [_twin_rows(t, fmt) for t in tensors]
     stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return twin_of(stacked, _twin_format(tensors[0]), tensors[0].shape[1], n_shards)
+    return twin_of(stacked, fmt, tensors[0].shape[1], n_shards)
 
 
 def twin_of(rows: np.ndarray, fmt: str, cols: int, n_shards: int = 1) -> Linear:
-    """The twin Linear of W [len(rows), cols] given as float32 rows (fmt "f32") or as a
-    scheme's quantized row bytes [rows, row_bytes], its rows split into `n_shards` shards."""
+    """The twin Linear of W [len(rows), cols] given as float32 rows (fmt "f32"), BF16 rows
+    (fmt "bf16", ml_dtypes) or a scheme's quantized row bytes [rows, row_bytes], its rows split
+    into `n_shards` shards."""
     shards = tuple(_twin_shard(part, fmt, cols) for part in _split(rows, n_shards))
     return Linear(fmt, len(rows), cols, shards=shards)
 
 
-def prepare_ffn_twin(gate: Tensor, up: Tensor, down: Tensor, n_shards: int) -> SplitFFN:
+def prepare_ffn_twin(gate: Tensor, up: Tensor, down: Tensor, n_shards: int,
+                     stored: bool = False) -> SplitFFN:
     """The feed-forward block as SplitFFN: intermediate dims split in n_shards ranges."""
-    fmt, inter = _twin_format(gate), gate.shape[0]
-    g, u, d = _twin_rows(gate), _twin_rows(up), _twin_rows(down)
+    fmt, inter = _twin_format(gate, stored), gate.shape[0]
+    g, u, d = (_twin_rows(t, fmt) for t in (gate, up, down))
     gate_up, downs = [], []
     for lo, hi in _bounds(inter, n_shards):
         gate_up.append(twin_of(np.concatenate([g[lo:hi], u[lo:hi]]), fmt, gate.shape[1]))
-        columns = d[:, lo:hi] if fmt == "f32" else d[:, _byte_range(down, lo, hi)]
+        columns = d[:, lo:hi] if fmt in ("f32", "bf16") else d[:, _byte_range(down, lo, hi)]
         downs.append(twin_of(np.ascontiguousarray(columns), fmt, hi - lo))
     return SplitFFN(tuple(gate_up), tuple(downs))
 
 
-def _twin_format(t: Tensor) -> str:
+def _twin_format(t: Tensor, stored: bool = False) -> str:
+    if t.ggml_type == GGML_BF16 and stored:
+        return "bf16"
     if t.ggml_type in (GGML_BF16, GGML_F32):
         return "f32"
     return SCHEMES_BY_GGML_TYPE[t.ggml_type].name
 
 
-def _twin_rows(t: Tensor) -> np.ndarray:
-    """float32 rows, or the quantized rows' bytes [rows, row_bytes] (sliced, never widened)."""
-    return t.f32() if _twin_format(t) == "f32" else t.quantized_rows(0, t.shape[0])
+def _twin_rows(t: Tensor, fmt: str) -> np.ndarray:
+    """float32 or BF16 rows, or the quantized rows' bytes [rows, row_bytes] (sliced, never
+    widened)."""
+    if fmt == "f32":
+        return t.f32()
+    return t.bf16() if fmt == "bf16" else t.quantized_rows(0, t.shape[0])
 
 
 def _byte_range(t: Tensor, lo: int, hi: int) -> slice:
@@ -169,6 +190,8 @@ def _byte_range(t: Tensor, lo: int, hi: int) -> slice:
 def _twin_shard(rows: np.ndarray, fmt: str, cols: int) -> tuple:
     if fmt == "f32":
         return (mx.array(np.ascontiguousarray(rows.T, np.float32)),)
+    if fmt == "bf16":  # W^T as BF16: the bits travel as uint16 (numpy has no bfloat16 of MLX's)
+        return (mx.array(np.ascontiguousarray(rows.T).view(np.uint16)).view(mx.bfloat16),)
     a = repack.to_affine(rows, fmt, cols)
     return (mx.array(a.w), mx.array(a.scales), mx.array(a.biases))
 
@@ -220,6 +243,8 @@ def _shard_matmul(x: mx.array, shard: tuple, fmt: str, stream) -> mx.array:
     with on_stream(stream):
         if fmt == "f32":
             return mx.matmul(x, shard[0])  # stored W^T
+        if fmt == "bf16":
+            return _chunked(x, shard[0])
         q, scales, biases = shard
         bits = repack.BITS[fmt]
         if x.shape[0] < DEQUANTIZE_ROWS or not _on_cpu(stream):
@@ -227,6 +252,40 @@ def _shard_matmul(x: mx.array, shard: tuple, fmt: str, stream) -> mx.array:
                                        bits=bits)
         w = mx.dequantize(q, scales, biases, group_size=BLOCK, bits=bits)  # [N, K], transient
         return (w @ mx.contiguous(x.T)).T
+
+
+def _chunked(x: mx.array, wt: mx.array) -> mx.array:
+    """x [M, K] float32 @ W^T [K, N] BF16, widening CHUNK_ELEMENTS weights at a time (exact:
+    float32 holds every BF16 value; the transient is one chunk)."""
+    step = max(1, CHUNK_ELEMENTS // wt.shape[0])
+    outs = [x @ wt[:, c:c + step].astype(mx.float32) for c in range(0, wt.shape[1], step)]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+
+
+def planes_twin(x: mx.array, w: Linear) -> mx.array:
+    """The twin of the matvec and matmul kernels, on their own planes: x [M, K] float32 @ W^T
+    -> [M, N] float32, W's rows dequantized (kipp.quant's arithmetic) CHUNK_ELEMENTS weights at
+    a time. A kernel that fails its probe is replaced by this, with no second weight copy."""
+    step = max(1, CHUNK_ELEMENTS // w.cols)
+    outs = [x @ _plane_rows(w, r, min(r + step, w.rows)).T for r in range(0, w.rows, step)]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+
+
+def _plane_rows(w: Linear, start: int, stop: int) -> mx.array:
+    """Rows [start, stop) of a kernel-planes Linear as float32 [rows, K] (exact decode)."""
+    q = w.planes[0][start:stop]
+    if w.fmt == "bf16":
+        return (q.astype(mx.uint32) << 16).view(mx.float32)
+    n = stop - start
+    d = w.planes[1][start:stop].view(mx.float16).astype(mx.float32)[..., None]  # [n, K/32, 1]
+    if w.fmt == "q8_0":
+        return (d * q.astype(mx.float32).reshape(n, -1, BLOCK)).reshape(n, w.cols)
+    nibbles = q.reshape(n, -1, BLOCK // 2)  # byte j: element j low, j + 16 high
+    levels = mx.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(mx.float32)
+    if w.fmt == "scale4_gs32":
+        return (d * (levels - 8.0)).reshape(n, w.cols)
+    m = w.planes[2][start:stop].view(mx.float16).astype(mx.float32)[..., None]
+    return (d * levels + m).reshape(n, w.cols)
 
 
 def _on_cpu(stream) -> bool:

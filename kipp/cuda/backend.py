@@ -2,19 +2,27 @@
 
     backend = JaxBackend(open_artifact("tiny.gguf"), num_blocks=64)
     backend.describe()  # 'jax (jax.numpy twins on cpu: JAX platform is cpu, no GPU for the
-                        #  kernels; f32 weights, bf16 artifact)'
+                        #  kernels; f32 weights, bf16 artifact (auto: the ... float32 copy
+                        #  fits the budget ...))'
     [logits] = backend.eval([EvalItem((9707, 11, 1879), 0, (5, 2))])
 
-At load the weights are prepared once in the device's layout (kipp.cuda.layout) and the KV slab
-is allocated once. `eval` splits the items into rounds (kipp.cuda.rounds), runs one compiled
-step per round with the slab donated (updated in place), and copies back only the requested
-logits rows. Steps are compiled ahead of time per shape bucket and cached; each compile is
-logged with its time, and `compile_log` keeps (bucket, seconds) for benchmarks and tests.
-`kv_scheme="q8_0"` keeps the slab as Q8_0 head-rows (kipp.kvquant: int8 and fp16 planes,
-136 bytes per row against BF16's 256), quantized in the step and dequantized in attention.
-If the Pallas kernels fail to compile on a GPU (the Triton lowering is deprecated upstream and
-may break on a newer JAX), the backend logs a warning, switches to the twins for good, and says
-so in `describe()`.
+At load the weights are placed once, tensor by tensor, in the layout `weight_memory` picks
+(kipp.memory, kipp.cuda.layout: the stored format on a GPU, float32 on a CPU when it fits the
+budget) and the KV slab is allocated once. `eval` splits the items into rounds (kipp.rounds,
+kipp.cuda.rounds), runs one compiled step per round with the slab donated (updated in place),
+and copies back only the requested logits rows. Steps are compiled ahead of time per shape
+bucket and cached; each compile is logged with its time, and `compile_log` keeps (bucket,
+seconds) for benchmarks and tests. `kv_scheme="q8_0"` keeps the slab as Q8_0 head-rows
+(kipp.kvquant: int8 and fp16 planes, 136 bytes per row against BF16's 256), quantized in the
+step and dequantized in attention.
+
+Kernels that fail never break a load: each Pallas kernel variant the step uses is first probed
+against its twin (kipp.cuda.probe, kipp.probe) and replaced by it, per kernel, if it fails to
+compile, raises or disagrees; then, on a GPU, one decode step runs on the kernels at load (its
+stores dropped), and if the whole step fails to compile or run there, or a later bucket fails to
+compile, the kernels still running are replaced too. Each fallback is one warning line, and
+`describe()` / `kernel_report()` name what runs and what fell back. fallback=False (or
+KIPP_KERNEL_FALLBACK=0) raises kipp.probe.KernelError instead.
 
 Multi-device: pass `mesh` (a jax.sharding.Mesh with one axis, "tp") to shard the model tensor-
 parallel over attention heads and the FFN (kipp.cuda.sharding); XLA's partitioner inserts the
@@ -31,7 +39,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from kipp import kvquant
+from kipp import kvquant, memory, probe
 from kipp.artifact import Artifact
 from kipp.backend import Backend, EvalItem
 from kipp.cuda import forward, layout, rounds, select
@@ -54,45 +62,65 @@ class JaxBackend(Backend):
     name = "jax"
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
-                 weight_layout: str = "auto", mesh=None, device=None,
-                 max_round_tokens: int = MAX_ROUND_TOKENS, kv_scheme: str = "bf16"):
+                 weight_memory: str = "auto", weight_layout: str | None = None, mesh=None,
+                 device=None, max_round_tokens: int = MAX_ROUND_TOKENS,
+                 kv_scheme: str = "bf16", fallback: bool | None = None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
         self.entry, self.scheme, self.kv_scheme = entry, artifact.scheme, kv_scheme
         self.device = device or (None if mesh is not None else jax.devices()[0])
         platform = (mesh.devices.flat[0] if mesh is not None else self.device).platform
-        self.choice = select.choose_path(path, "gpu" if platform in ("gpu", "cuda") else platform)
+        gpu = platform in ("gpu", "cuda")
+        self.choice = select.choose_path(path, "gpu" if gpu else platform)
         if mesh is not None and self.choice.kernels:
             self.choice = select.Choice(False, False, "sharded over a mesh: twins")
-        self.layout = layout.choose_layout(platform) if weight_layout == "auto" else weight_layout
+        self.fallback = probe.fallback_enabled(fallback)
+        self.memory, self.layout = _weight_layout(artifact, weight_memory, weight_layout, gpu)
         self.mesh = mesh
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
         self._programs: dict[rounds.Bucket, object] = {}
         start = time.perf_counter()
+        self.kernels = self._probe() if self.choice.kernels else probe.KernelReport()
         self._load(artifact, platform)
-        log.info("%s (weights prepared in %.1f s)", self.describe(),
-                 time.perf_counter() - start)
+        if self.choice.kernels and not self.choice.interpret and self.kernels.running:
+            self._first_step()
+        log.info("%s (loaded in %.1f s)", self.describe(), time.perf_counter() - start)
+
+    def _probe(self) -> probe.KernelReport:
+        """Every kernel variant the step will run, against its twin (kipp.cuda.probe)."""
+        from kipp.cuda import probe as probes
+
+        fmts = [_projection_format(self.scheme.name, self.layout)]
+        if not self.choice.interpret:  # interpret mode runs the head on its twin (forward.Ops)
+            fmts.append("f32" if self.layout == "f32" else "bf16")
+        device = self.device if self.device is not None else jax.devices()[0]
+        checks = probes.probes(fmts, self.kv_scheme, self.entry.query_heads,
+                               interpret=self.choice.interpret, device=device)
+        key = ("jax", device.platform, getattr(device, "device_kind", ""), self.choice.interpret)
+        report = probe.run_probes(checks, key, self.fallback, log)
+        log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
+        return report
 
     def _load(self, artifact: Artifact, platform: str) -> None:
-        params = layout.prepare_weights(artifact, self.layout)
-        cos, sin = rope_tables(np.arange(self.entry.context_length),
-                                             self.entry.rope_theta)
+        cos, sin = rope_tables(np.arange(self.entry.context_length), self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
         if self.mesh is not None:
             from kipp.cuda import sharding
 
-            self.params = layout.to_device(params, shardings=sharding.param_shardings(
-                params, self.mesh))
-            kv_sharding, replicated = sharding.kv_sharding(self.mesh), sharding.replicated(
-                self.mesh)
+            mesh = self.mesh
+            self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
+                layout.to_device(value, shardings=sharding.leaf_sharding(name, value, mesh))))
+            kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
         else:
-            self.params = layout.to_device(params, self.device)
+            self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
+                layout.to_device(value, self.device)))
             kv_sharding = replicated = self.device
         zeros = jax.jit(lambda: layout.kv_zeros(shape, self.kv_scheme, platform),
                         out_shardings=_as_sharding(kv_sharding))
-        self.kv = tuple((zeros(), zeros()) for _ in range(self.entry.layers))
+        self._kv_zeros = lambda: tuple((zeros(), zeros()) for _ in range(self.entry.layers))
+        self.kv = self._kv_zeros()
         self.rope = jax.device_put((cos, sin), replicated)
         self._replicated = replicated
         self._signature = (self._ops(), _signature(self.params), _signature(self.kv),
@@ -101,8 +129,13 @@ class JaxBackend(Backend):
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
+        kernels = f"; {self.kernels.summary()}" if self.choice.kernels else ""
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
-                f"{self.layout} weights, {self.scheme.name} artifact{kv})")
+                f"{self.layout} weights, {self.scheme.name} artifact ({self.memory.reason})"
+                f"{kv}{kernels})")
+
+    def kernel_report(self) -> probe.KernelReport:
+        return self.kernels
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -144,18 +177,41 @@ class JaxBackend(Backend):
         return program
 
     def _compile_or_fall_back(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
-        if not self.choice.kernels or self.choice.interpret:
+        if not self.kernels.running or self.choice.interpret:
             return self._compile(bucket, arrays)
         try:
             return self._compile(bucket, arrays)
-        except Exception as e:  # a lowering or Triton compile error, not a user error
-            problem = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log.warning("Pallas kernels failed to compile (%s); running the jax.numpy twins",
-                        problem)
-            self.choice = select.Choice(False, False, f"kernels failed to compile ({problem})")
-            self._programs.clear()
-            self._signature = (self._ops(),) + self._signature[1:]
+        except Exception as e:  # a lowering or Triton compile error of the whole step
+            self._fall_back(f"the step failed to compile ({probe.one_line(e)})")
             return self._compile(bucket, arrays)
+
+    def _first_step(self) -> None:
+        """Compile and run one decode step on the kernels at load, storing nothing (every slot
+        past the slab's end is dropped): a kernel that fails only inside the real step, at its
+        real shapes, is caught while no session holds KV yet (a runtime fault may take the
+        donated slab with it; a fresh one is allocated)."""
+        items = [EvalItem((0,), 0, (0,))]
+        bucket, arrays, _ = rounds.pack_round(items, rounds.plan_rounds(items, 1)[0],
+                                              self.num_blocks)
+        arrays = arrays._replace(slots=np.full_like(arrays.slots, self.num_blocks * KV_BLOCK))
+        try:
+            program = self._program(bucket, arrays)
+            logits, self.kv = program(self.params, self.kv, self.rope,
+                                      jax.device_put(arrays, self._replicated))
+            jax.block_until_ready(logits)
+        except probe.KernelError:
+            raise
+        except Exception as e:  # a launch or runtime error of a kernel inside the step
+            self._fall_back(f"the first step failed ({probe.one_line(e)})")
+            self.kv = self._kv_zeros()
+
+    def _fall_back(self, problem: str) -> None:
+        """Every kernel still running is replaced by its twin (or KernelError, fallback off)."""
+        running = self.kernels.running
+        probe.fail(log, ", ".join(running), problem, self.fallback)
+        self.kernels.fall_back(running, problem)
+        self._programs.clear()
+        self._signature = (self._ops(),) + self._signature[1:]
 
     def _compile(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
         start = time.perf_counter()
@@ -168,7 +224,28 @@ class JaxBackend(Backend):
         return program
 
     def _ops(self) -> forward.Ops:
-        return forward.Ops(kernels=self.choice.kernels, interpret=self.choice.interpret)
+        return forward.Ops(kernels=self.choice.kernels, interpret=self.choice.interpret,
+                           twins=frozenset(self.kernels.fell_back))
+
+
+def _projection_format(scheme: str, weight_layout: str) -> str:
+    """The weight format quant_matmul sees for the projections in `weight_layout`."""
+    return "f32" if weight_layout == "f32" else scheme
+
+
+def _weight_layout(artifact: Artifact, weight_memory: str, weight_layout: str | None,
+                   gpu: bool) -> tuple[memory.WeightMemory, str]:
+    """(how the weights are held and why, layout name): weight_memory through kipp.memory, or
+    an explicit weight_layout ("f32" or "device", tests and tools) taken as given."""
+    if weight_layout not in (None, "auto"):
+        if weight_layout not in layout.LAYOUTS:
+            raise KippError(f"unknown weight layout {weight_layout!r}; choose from "
+                            f"{', '.join(layout.LAYOUTS)}")
+        mode = "float32" if weight_layout == "f32" else "stored"
+        return memory.WeightMemory(mode, f"weight_layout={weight_layout!r}"), weight_layout
+    chosen = memory.choose_weight_memory(weight_memory, gpu=gpu,
+                                         float32_bytes=layout.float32_bytes(artifact))
+    return chosen, "f32" if chosen.mode == "float32" else "device"
 
 
 def _signature(tree) -> tuple:

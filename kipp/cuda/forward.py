@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from kipp.cuda import decode_attention as decode_mod
 from kipp.cuda import prefill_attention as prefill_mod
 from kipp.cuda import quant_matmul as matmul_mod
-from kipp.cuda.layout import Linear, store_kv, widen_bf16
+from kipp.cuda.layout import Linear, QuantizedKV, store_kv, widen_bf16
 from kipp.cuda.rounds import RoundArrays
 from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
 
@@ -34,17 +34,21 @@ class Ops:
 
     kernels: bool = False  # Pallas kernels instead of the jax.numpy twins
     interpret: bool = False  # run the kernels in Pallas interpret mode (CPU tests)
+    twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False) -> jax.Array:
         # Interpret mode pays per program: the 151,936-row head would take minutes, so there
         # it runs its twin (the BF16 kernel is checked on its own in the kernel tests).
-        if self.kernels and not (head and self.interpret):
+        if self.kernels and not (head and self.interpret) and \
+                kernel_name(x.shape[0], w.fmt) not in self.twins:
             return matmul_mod.quant_matmul(x, w, interpret=self.interpret)
         return matmul_mod.quant_matmul_reference(x, w)
 
     def attention(self, q, k_cache, v_cache, r: RoundArrays) -> jax.Array:
         """q [S, Tq, H, 128] -> [S, Tq, H, 128] over the paged slab."""
-        if not self.kernels:
+        kind = "decode_attention" if q.shape[1] == 1 else "prefill_attention"
+        kv = "q8_0" if isinstance(k_cache, QuantizedKV) else "bf16"
+        if not self.kernels or f"{kind}/{kv}" in self.twins:
             return prefill_mod.paged_attention_reference(q, k_cache, v_cache, r.query_pos,
                                                          r.block_tables)
         if q.shape[1] == 1:  # a decode-only round
@@ -53,6 +57,12 @@ class Ops:
             return out[:, None]
         return prefill_mod.prefill_attention(q, k_cache, v_cache, r.query_pos, r.block_tables,
                                              interpret=self.interpret)
+
+
+def kernel_name(rows: int, fmt: str) -> str:
+    """The quant_matmul variant a call of `rows` rows in weight format `fmt` runs: the
+    multiply-reduce body for a few rows, the tile dot otherwise."""
+    return f"{'matvec' if rows <= matmul_mod.MATVEC_ROWS else 'matmul'}/{fmt}"
 
 
 def rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:

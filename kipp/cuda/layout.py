@@ -1,6 +1,8 @@
 """Weights prepared once, at load, in the layout the device runs fast.
 
-Two layouts, chosen per device (`choose_layout`), both exact images of the artifact's values:
+Two layouts, both exact images of the artifact's values, chosen by `weight_memory`
+(kipp.memory): "device" is its "stored", "f32" its "float32" (on a CPU, when the copy fits the
+memory budget; never on a GPU, where a fallback must fit where the kernels fit):
 
 - "device" (GPU): projections stay as stored: BF16 `[out, in]`, or the quantized scheme's
   packed planes (never widened): q8_0 -> int8 `[out, in/32, 32]`; scale4_gs32 and affine4_gs32
@@ -21,8 +23,9 @@ Two layouts, chosen per device (`choose_layout`), both exact images of the artif
 
   float32 is 4-6x faster for every multi-row dot (prefill, batched decode) and at most 2x
   slower for single-sequence decode, and nibble planes are slow everywhere, so the CPU pays
-  4 bytes per weight in memory for one layout that is fast for both. The packed planes run on
-  CPU too (layout="device"), which is how the tests check the GPU's twins here.
+  4 bytes per weight in memory for one layout that is fast for both, when it fits. The packed
+  planes run on CPU too (layout="device": weight_memory "stored"), which is how the tests check
+  the GPU's twins here, and what a CPU without room for the copy runs.
 
 Norms are float32 everywhere (the artifact stores them F32). Everything is a per-layer list of
 separate arrays: XLA's CPU backend copies a slice of a stacked [layers, ...] weight before a dot
@@ -33,7 +36,7 @@ whole by a step that updates one layer's slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +80,6 @@ class Linear:
 jax.tree_util.register_dataclass(Linear, data_fields=["w", "d", "m"], meta_fields=["fmt"])
 
 
-def choose_layout(platform: str) -> str:
-    """float32 on XLA's CPU (see the module docstring), the artifact's own layout elsewhere."""
-    return "f32" if platform == "cpu" else "device"
-
-
 def pack_linear(t: Tensor, layout: str) -> Linear:
     """A projection tensor in the chosen layout, as numpy arrays (placed on a device later)."""
     if layout == "f32":
@@ -111,17 +109,47 @@ def prepare_weights(artifact: Artifact, layout: str) -> dict[str, Any]:
     {"embed": [vocab, hidden], "head": [vocab, hidden] or None when tied (the embed serves),
      "output_norm": [hidden], "layers": [{projection: Linear, norm: [n]} per layer]}
     """
+    return place_weights(artifact, layout, lambda name, value: value)
+
+
+def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], Any]
+                  ) -> dict[str, Any]:
+    """prepare_weights' pytree, one tensor at a time: each is packed, handed to
+    `place(name, value)` (name: "embed", "head", "output_norm", a projection or a norm; it puts
+    the value on a device and returns what the tree holds), then its mapped pages are released
+    (Artifact.release). So the host never holds more than one packed tensor beside what is
+    placed, and the file's pages and the placed copies are not resident together."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     w = artifact.weights
+
+    def put(name, tensor, value):
+        placed = place(name, value)
+        artifact.release(tensor)
+        return placed
+
     table = w.token_embd.f32() if layout == "f32" else w.token_embd.bf16()
-    head = None if w.tied else (w.output.f32() if layout == "f32" else w.output.bf16())
+    tree = {"embed": put("embed", w.token_embd, table), "head": None}
+    if not w.tied:
+        tree["head"] = put("head", w.output,
+                           w.output.f32() if layout == "f32" else w.output.bf16())
     layers = []
     for layer in w.layers:
-        params = {name: pack_linear(getattr(layer, name), layout) for name in PROJECTIONS}
-        params.update({name: getattr(layer, name).f32() for name in NORMS})
+        params = {name: put(name, getattr(layer, name), pack_linear(getattr(layer, name), layout))
+                  for name in PROJECTIONS}
+        params.update({name: place(name, getattr(layer, name).f32()) for name in NORMS})
         layers.append(params)
-    return {"embed": table, "head": head, "output_norm": w.output_norm.f32(), "layers": layers}
+    tree["output_norm"] = place("output_norm", w.output_norm.f32())
+    tree["layers"] = layers
+    return tree
+
+
+def float32_bytes(artifact: Artifact) -> int:
+    """Bytes of the "f32" layout's projections, embedding and head (what "device" saves)."""
+    w = artifact.weights
+    tensors = [w.token_embd] + ([] if w.tied else [w.output]) + [
+        getattr(layer, name) for layer in w.layers for name in PROJECTIONS]
+    return 4 * sum(t.shape[0] * t.shape[1] for t in tensors)
 
 
 def to_device(params, device=None, shardings=None):

@@ -55,17 +55,18 @@ def _linear_sharding(w: Linear, mesh: Mesh, column: bool) -> Linear:
     return Linear(spec(w.w), spec(w.d), spec(w.m), fmt=w.fmt)
 
 
+def leaf_sharding(name: str, value, mesh: Mesh):
+    """The sharding of one prepared parameter (kipp.cuda.layout.place_weights' names): a
+    Linear of shardings for a projection, replicated for everything else."""
+    if name in COLUMN_PARALLEL or name in ROW_PARALLEL:
+        return _linear_sharding(value, mesh, name in COLUMN_PARALLEL)
+    return replicated(mesh)
+
+
 def param_shardings(params, mesh: Mesh):
     """A pytree of NamedShardings matching kipp.cuda.layout.prepare_weights' output."""
     rep = replicated(mesh)
-    layers = []
-    for layer in params["layers"]:
-        placed = {}
-        for name, value in layer.items():
-            if name in COLUMN_PARALLEL or name in ROW_PARALLEL:
-                placed[name] = _linear_sharding(value, mesh, name in COLUMN_PARALLEL)
-            else:
-                placed[name] = rep
-        layers.append(placed)
+    layers = [{name: leaf_sharding(name, value, mesh) for name, value in layer.items()}
+              for layer in params["layers"]]
     return {"embed": rep, "head": None if params["head"] is None else rep,
             "output_norm": rep, "layers": layers}

@@ -1,0 +1,95 @@
+"""MLXBackend's kernel probes: every Metal kernel variant a checkpoint will use, run once at load
+on a small input against the twin that would replace it (kipp.probe runs and judges them).
+
+Variants: the decode matvec and the prefill matmul in the artifact's weight format and in BF16
+(the output head is always BF16), and the decode attention kernel for the KV scheme. Inputs are
+seeded random weights (quantized by kipp.quant, so the kernel reads exactly the format it
+meets in the artifact), activations and KV rows; shapes are small (64 x 256 weights, 3 and 40
+tokens: one partial 32-token tile past a full one; two sequences of 40 and 9 positions over a
+scrambled block table) so all of it costs well under a second on a GPU. The twin is the one
+the backend would run instead: `linear.planes_twin` on the same planes, and the gathered-page
+`attention.attention_twin` on the same slab.
+
+The kernels are reached the way the model reaches them (`linear.matvec` / `linear.matmul` /
+`attention.decode_attention`, which build their kernels through `linear.kernel` and
+`attention.kernel`), so whatever stands in for Metal there (the tests' numpy stand-ins, the
+Metal emulator) is what gets probed.
+
+Bound: NMSE 1e-7. Kernel and twin compute the same float32 products from bitwise the same
+weights; only the summation order (and Metal's fast-math exp) differs, which puts them near
+1e-13 (measured here with float64 numpy standing in for the kernels: at most 1.3e-13
+over every format, both KV schemes, 16 and 40 heads, three seeds). A fault
+of the kind kernels have (a wrong scale, a stale tile, an index off by one) moves NMSE by
+1e-4 and more: a 1% scale error alone is 1e-4.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from kipp import quant
+from kipp.apple import attention, linear, repack
+from kipp.apple.kvcache import KVSlab
+from kipp.probe import Probe
+from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
+
+BOUND = 1e-7
+ROWS, COLS = 64, 256  # probe weight [N, K]: two 32-output tiles, eight 32-weight blocks
+TOKENS = {"matvec": 3, "matmul": 40}
+LENGTHS = (40, 9)  # positions seen by the two probe sequences
+TABLES = ((2, 0), (1, 3))  # their block tables (scrambled)
+
+
+def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0) -> list[Probe]:
+    """The probes of a checkpoint in weight scheme `scheme` with `kv_scheme` KV."""
+    rng = np.random.default_rng(seed)
+    found = []
+    for fmt in dict.fromkeys((scheme, "bf16")):  # the head is BF16 whatever the scheme
+        w = probe_weight(fmt, rng)
+        for kind, kernel in (("matvec", linear.matvec), ("matmul", linear.matmul)):
+            x = mx.array(rng.standard_normal((TOKENS[kind], COLS)).astype(np.float32))
+            found.append(Probe(f"{kind}/{fmt}",
+                               lambda kernel=kernel, x=x, w=w: np.array(kernel(x, w)),
+                               lambda x=x, w=w: np.array(linear.planes_twin(x, w)), BOUND))
+    found.append(_attention_probe(kv_scheme, query_heads, rng))
+    return found
+
+
+def probe_weight(fmt: str, rng) -> linear.Linear:
+    """A seeded [ROWS, COLS] weight in `fmt`, as the kernels' planes (kipp.quant's bytes)."""
+    raw = quant.quantize((rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32), fmt)
+    if fmt == "bf16":
+        return linear.Linear(fmt, ROWS, COLS, planes=(mx.array(raw.view("<u2")),))
+    p = repack.to_planes(raw, fmt, COLS)
+    planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
+    return linear.Linear(fmt, ROWS, COLS, planes=planes)
+
+
+def _attention_probe(kv_scheme: str, query_heads: int, rng) -> Probe:
+    slots = 4 * KV_BLOCK
+    k, v = KVSlab(1, slots, kv_scheme), KVSlab(1, slots, kv_scheme)
+    everywhere = mx.array(np.arange(slots, dtype=np.int32))
+    for slab in (k, v):
+        rows = rng.standard_normal((slots, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        slab.store(0, mx.array(rows), everywhere)
+    mx.eval(k.arrays() + v.arrays())
+    q = mx.array(rng.standard_normal((len(LENGTHS), query_heads, HEAD_DIM)).astype(np.float32))
+    tables = mx.array(np.asarray(TABLES, np.int32))
+    lengths = mx.array(np.asarray(LENGTHS, np.int32))
+
+    def kernel():
+        planes = k.kernel_planes(0) + v.kernel_planes(0)
+        return np.array(attention.decode_attention(q, planes, tables, lengths, kv_scheme))
+
+    def twin():
+        outs = []
+        for s, (table, length) in enumerate(zip(TABLES, LENGTHS)):
+            p = np.arange(length)
+            visible = mx.array((np.asarray(table)[p // KV_BLOCK] * KV_BLOCK
+                                + p % KV_BLOCK).astype(np.int32))
+            outs.append(attention.attention_twin(q[s:s + 1], k.rows(0, visible),
+                                                 v.rows(0, visible)))
+        return np.array(mx.concatenate(outs, axis=0))
+
+    return Probe(f"decode_attention/{kv_scheme}", kernel, twin, BOUND)

@@ -1,0 +1,146 @@
+"""weight_memory: twins that fit where the kernels fit (kipp.memory and the two backends).
+
+"stored" keeps the artifact's format (BF16 widened per chunk inside each matmul), "float32"
+widens once at load, "auto" is "stored" on a GPU and "float32" on a CPU when the copy fits the
+budget. Both modes are gated against the reference; the choice and its reason are in
+describe(). Peak RSS and decode speed of both at the 0.6B shape are bench records.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+from kipp import gates, memory
+from kipp.artifact import open_artifact
+from kipp.errors import KippError
+from kipp.reference.backend import ReferenceBackend
+
+TINY = "kipp-synthetic/qwen3-tiny"
+UNTIED = "kipp-synthetic/qwen3-tiny-untied"
+BLOCKS = 12
+
+
+def _gate(ref, backend, prompt_len=30, decode_steps=3, rows=4):
+    table = np.random.default_rng(0).permutation(BLOCKS)[:3]
+    tokens = tuple(int(t) for t in np.random.default_rng(2).integers(0, 151_643, prompt_len))
+    result = gates.gate_backends(ref, backend, tokens, table, logits_rows=rows,
+                                 decode_steps=decode_steps, bound=gates.BACKEND_NMSE)
+    assert result.passed, result.detail
+
+
+def test_choice(monkeypatch):
+    assert memory.choose_weight_memory("auto", gpu=True, float32_bytes=1).mode == "stored"
+    with pytest.raises(KippError, match="float32' is a CPU layout"):
+        memory.choose_weight_memory("float32", gpu=True, float32_bytes=1)
+    monkeypatch.setattr(memory, "weight_budget", lambda: 2 * 2**30)
+    fits = memory.choose_weight_memory("auto", gpu=False, float32_bytes=2**30)
+    assert fits.mode == "float32" and "fits the budget (2.0 GiB" in fits.reason
+    big = memory.choose_weight_memory("auto", gpu=False, float32_bytes=3 * 2**30)
+    assert big.mode == "stored" and "would exceed the budget" in big.reason
+    assert memory.choose_weight_memory("float32", gpu=False, float32_bytes=3 * 2**30).mode == \
+        "float32"  # an explicit request wins
+    with pytest.raises(KippError, match="unknown weight_memory 'half'"):
+        memory.choose_weight_memory("half", gpu=False, float32_bytes=1)
+    assert 0 < memory.weight_budget() < memory.available_bytes()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_release_drops_mapped_pages_and_keeps_the_data(artifacts):
+    def rss_file_kib():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    table = artifact.weights.token_embd  # 151,936 x 256 BF16: 74 MiB
+    before = float(table.bf16()[::97].astype(np.float32).sum())
+    touched = rss_file_kib()
+    assert int(table.raw.sum(dtype=np.uint64)) > 0  # every page resident
+    resident = rss_file_kib()
+    artifact.release(table)
+    released = rss_file_kib()
+    assert resident - released > 60 * 1024, (touched, resident, released)
+    assert float(table.bf16()[::97].astype(np.float32).sum()) == before  # read back unchanged
+
+
+# ---- MLX ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpoint_id, scheme", [(TINY, "bf16"), (UNTIED, "q8_0")])
+def test_mlx_stored_twins_match_reference(artifacts, checkpoint_id, scheme):
+    pytest.importorskip("mlx.core")
+    from kipp.apple.backend import MLXBackend
+
+    artifact = open_artifact(artifacts(checkpoint_id, scheme))
+    stored = MLXBackend(artifact, BLOCKS, weight_memory="stored")
+    described = stored.describe()
+    assert stored.memory.mode == "stored" and "requested" in described
+    assert ("bf16 weights as stored" if scheme == "bf16" else "bf16 as stored head") in described
+    _gate(ReferenceBackend(artifact, BLOCKS), stored)
+    wide = MLXBackend(artifact, BLOCKS, weight_memory="float32")
+    head = artifact.weights.output.shape[0] * artifact.weights.output.shape[1]
+    assert wide.weight_bytes - stored.weight_bytes >= 2 * head  # the head widened: 4 vs 2 B
+
+
+def test_mlx_auto_follows_the_budget(artifacts, monkeypatch):
+    pytest.importorskip("mlx.core")
+    from kipp.apple.backend import MLXBackend
+
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    monkeypatch.setattr(memory, "weight_budget", lambda: 2**40)
+    assert MLXBackend(artifact, 2).memory.mode == "float32"
+    monkeypatch.setattr(memory, "weight_budget", lambda: 2**20)
+    mb = MLXBackend(artifact, 2)
+    assert mb.memory.mode == "stored" and "would exceed the budget" in mb.describe()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "affine4_gs32", "scale4_gs32"])
+def test_mlx_planes_twin_is_the_numpy_dequantizer(fmt):
+    """The per-kernel fallback on Metal multiplies the kernels' own planes, chunked: equal
+    to x @ dequantize(W)^T in float64 within float32 summation noise, whatever the chunk."""
+    mx = pytest.importorskip("mlx.core")
+    from kipp import quant
+    from kipp.apple import linear
+    from kipp.apple import probe as mlx_probe
+
+    w = mlx_probe.probe_weight(fmt, np.random.default_rng(3))  # the same draw as `raw`
+    raw = quant.quantize((np.random.default_rng(3).standard_normal((64, 256)) * 0.05)
+                         .astype(np.float32), fmt)
+    dense = quant.dequantize(raw, fmt, 256).astype(np.float64)
+    x = np.random.default_rng(4).standard_normal((5, 256)).astype(np.float32)
+    want = x.astype(np.float64) @ dense.T
+    for chunk in (linear.CHUNK_ELEMENTS, 256 * 7):  # one chunk; ragged chunks of 7 rows
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(linear, "CHUNK_ELEMENTS", chunk)
+            got = np.array(linear.planes_twin(mx.array(x), w))
+        assert gates.nmse(got, want) <= 1e-12
+
+
+# ---- JAX ---------------------------------------------------------------------------------
+
+
+def test_jax_weight_memory(artifacts, monkeypatch):
+    pytest.importorskip("jax")
+    from kipp.cuda.backend import JaxBackend
+
+    artifact = open_artifact(artifacts(UNTIED, "bf16"))
+    monkeypatch.setattr(memory, "weight_budget", lambda: 2**20)
+    stored = JaxBackend(artifact, BLOCKS)
+    assert stored.layout == "device" and "would exceed the budget" in stored.describe()
+    _gate(ReferenceBackend(artifact, BLOCKS), stored)
+    wide = JaxBackend(artifact, BLOCKS, weight_memory="float32")
+    assert wide.layout == "f32" and wide.weight_bytes > 1.9 * stored.weight_bytes
+    assert JaxBackend(artifact, 2, weight_layout="device").memory.mode == "stored"
+
+
+def test_load_passes_weight_memory(artifacts):
+    pytest.importorskip("jax")
+    import kipp
+
+    path = artifacts(TINY, "bf16")
+    model = kipp.load(path, backend="jax", weight_memory="stored", kv_tokens=64, progress=False)
+    assert model.backend.layout == "device" and "weight_memory='stored'" in model.backend.describe()
+    with pytest.raises(KippError, match="reads the artifact in place"):
+        kipp.load(path, backend="reference", weight_memory="float32", progress=False)
+    with pytest.raises(KippError, match="unknown weight_memory"):
+        kipp.load(path, backend="reference", weight_memory="f16", progress=False)
