@@ -125,7 +125,8 @@ def cmd_run(args, argv) -> int:
         expect_paths={k: tuple(_list(v)) for k, v in
                       _mapping(args.expect_path, "--expect-path").items()},
         results=Path(args.results), logs=Path(args.logs), ceiling=not args.no_ceiling,
-        ceiling_size_mb=args.ceiling_mb, timeout=args.timeout, command=_command(argv))
+        ceiling_size_mb=args.ceiling_mb, timeout=args.timeout, command=_command(argv),
+        weight_memory=_list(args.weight_memory))
     paths = runner.run(config)
     from bench.report import summary_lines
 
@@ -297,6 +298,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ceiling-mb", type=int, default=512)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measured run")
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
+    p.add_argument("--weight-memory", default="", help="Kipp arms per weight layout, comma "
+                   "list of stored,float32 (default: each backend's auto choice)")
     p = sub("ceiling", "memory bandwidth ceiling")
     p.add_argument("--ceiling-mb", type=int, default=512)
     p.add_argument("--runs", type=int, default=7)

@@ -87,8 +87,10 @@ def interleave(arms: list[str], total: dict[str, int]) -> list[tuple[int, str]]:
 
 def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends: list[str],
          threads: int, context: int, expect_paths: dict[str, tuple[str, ...]] | None = None,
-         mlx_root: Path | None = None) -> list[ArmSpec]:
-    """Every arm to run, grouped by scheme in `schemes` order, engines in the order given."""
+         mlx_root: Path | None = None, weight_memory: list[str] | None = None) -> list[ArmSpec]:
+    """Every arm to run, grouped by scheme in `schemes` order, engines in the order given.
+    `weight_memory` ("stored", "float32"): one Kipp arm per backend and mode (kipp.memory);
+    none given: each backend's own choice ("auto")."""
     from kipp import store
 
     expect_paths = expect_paths or {}
@@ -100,8 +102,10 @@ def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends:
             base = ArmSpec(engine=name, scheme=scheme, checkpoint=checkpoint, threads=threads,
                            context=context)
             if name == "kipp":
-                arms += [replace(base, backend=b, artifact=artifact,
-                                 expect_path=expect_paths.get(b)) for b in backends]
+                modes = [{"weight_memory": m} for m in weight_memory or []] or [{}]
+                arms += [replace(base, backend=b, artifact=artifact, options=mode,
+                                 expect_path=expect_paths.get(b))
+                         for b in backends for mode in modes]
             elif scheme in info.schemes:
                 arms.append(replace(base, artifact=artifact if info.weights == "artifact" else "",
                                     source=_source(checkpoint) if info.weights == "source" else ""))

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# JaxBackend on a lent GPU (an H200), in one call of under 8 minutes:
+# JaxBackend on a lent GPU (an H200), in one call of under 9 minutes:
+#   0. `kipp doctor` on the tiny checkpoint (devices, every kernel probe and the first step on
+#      the kernels, gates, a speed check; JSON in $OUT/doctor.json), with kernel fallback on so
+#      it reports each kernel that falls back; every later stage runs with fallback off
+#      (KIPP_KERNEL_FALLBACK=0), so a failing kernel fails its stage instead of timing a twin;
 #   1. the Pallas kernel tests compiled (no interpret mode),
 #   2. the whole-model gates vs the reference backend (kernels; then the twins, KIPP_JAX_TWINS=1),
 #   3. a decode/prefill benchmark at the Qwen3-0.6B shape (synthetic weights, BF16 and q8_0),
@@ -37,8 +41,11 @@ stage() {  # stage NAME SECONDS command...: run with a limit, log, record PASS/F
   else RESULTS+=("$name|FAIL (exit $code)|${took}s"); fi
 }
 
-# Limits add up to 470 s: run with the device tool's timeout_s of about 540.
+# Limits add up to 545 s: run with the device tool's timeout_s of about 600.
 stage env 20 bash -c "nvidia-smi -L; $PY -c 'import jax; print(jax.__version__, jax.devices())'"
+
+stage doctor 75 "$PY" -m kipp.cli doctor --backend jax --json "$LOGS/doctor.json"
+export KIPP_KERNEL_FALLBACK=0
 
 stage kernel-tests 80 env KIPP_PALLAS_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_jax_kernels.py
@@ -60,6 +67,8 @@ stage prepare-q8_0 40 "$PY" -m kipp.cli prepare "$CHECKPOINT" --scheme q8_0
 stage bench-q8_0 40 "$PY" "${BENCH[@]}" "$(artifact q8_0)" --batch 1
 stage bench-bf16-twins 30 env KIPP_JAX_TWINS=1 "$PY" "${BENCH[@]}" "$(artifact bf16)" --batch 1
 
+echo
+echo "== kipp doctor"; sed -n '/^```$/,/^```$/p' "$LOGS/doctor.log" || true
 echo
 echo "== summary (total $(( $(date +%s) - START ))s)"
 printf '%-18s %-16s %s\n' stage result time

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # MLXBackend on Apple silicon, in one command (about 20-30 minutes on an M-series Mac):
+#   0. `kipp doctor` (platform, Metal device, every kernel probe, gates, a speed check; its
+#      JSON report in $LOGS/doctor.json), with kernel fallback on, so it reports every kernel
+#      that falls back; every later stage runs with fallback off (KIPP_KERNEL_FALLBACK=0): a
+#      kernel that fails its probe fails the stage loudly instead of measuring a twin;
 #   1. the MLX test file with Metal on: its kernel tests (matvec, matmul, decode attention vs
 #      the twins and numpy) and the whole-model gates on the kernels run here, skipped on Linux;
 #   2. a table of every kernel vs its twin vs the numpy reference (NMSE and time);
@@ -58,6 +62,9 @@ stage env 30 "$PY" -c "import mlx.core as mx, mlx_lm, platform
 print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__, platform.platform())
 print('metal', mx.metal.is_available(), mx.metal.device_info() if mx.metal.is_available() else '')"
 
+stage doctor 600 "$PY" -m kipp.cli doctor --json "$LOGS/doctor.json"
+export KIPP_KERNEL_FALLBACK=0
+
 stage tests-metal 900 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_mlx_backend.py
 stage kernels 600 "$PY" -m bench.mac_check kernels
 stage gates-kernels 900 "$PY" -m bench.mac_check gates
@@ -77,6 +84,7 @@ for row in "${RESULTS[@]}"; do
   printf '%-16s %-16s %s\n' "$name" "$result" "$took"
 done
 echo
+echo "kipp doctor:"; sed -n '/^```$/,/^```$/p' "$LOGS/doctor.log" || true
 echo "kernel vs twin vs reference:"; grep -E "kernel rows|FAIL" "$LOGS/kernels.log" || true
 echo "whole model on the kernels:"; tail -n 17 "$LOGS/gates-kernels.log" || true
 echo "Kipp (mlx, Metal kernels) vs mlx-lm, same weights, same session:"

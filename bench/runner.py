@@ -48,6 +48,7 @@ class RunConfig:
     ceiling_runs: int = 5
     timeout: float = 1800.0  # seconds one measured run may take
     command: str = ""
+    weight_memory: list[str] = field(default_factory=list)  # Kipp arms per mode (kipp.memory)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def prepare_states(config: RunConfig, selected) -> list[ArmState]:
                         [int(o.value) for o in config.overrides if o.key == "decode_tokens"])
     specs = arm_plan.plan(config.checkpoint, config.engines, config.schemes, config.backends,
                           config.threads, context_for(selected, decode_tokens),
-                          config.expect_paths)
+                          config.expect_paths, weight_memory=config.weight_memory)
     states, probed = [], {}
     for spec in specs:
         python = config.pythons.get(spec.engine, sys.executable)

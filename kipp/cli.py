@@ -65,7 +65,8 @@ def _load(args):
 
     return load(args.model, backend=args.backend, scheme=args.scheme,
                 kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
-                kv_scheme=getattr(args, "kv_scheme", "bf16"))
+                kv_scheme=getattr(args, "kv_scheme", "bf16"),
+                weight_memory=getattr(args, "weight_memory", "auto"))
 
 
 def _sampling(args) -> dict:
@@ -161,6 +162,12 @@ def _gates(args) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _doctor(args) -> int:
+    from kipp.doctor import main
+
+    return main(args)
+
+
 def _add_model_arguments(p) -> None:
     p.add_argument("model", help="a registry id or a .gguf artifact")
     p.add_argument("--backend", default="auto", help="auto, reference, mlx or jax")
@@ -168,6 +175,9 @@ def _add_model_arguments(p) -> None:
                    help="weight scheme when MODEL is a registry id")
     p.add_argument("--kv-scheme", default="bf16", choices=KV_SCHEME_NAMES,
                    help="KV cache format: bf16, or q8_0 (~1.9x smaller, near-lossless)")
+    p.add_argument("--weight-memory", default="auto", choices=("auto", "stored", "float32"),
+                   help="how jax/mlx hold BF16 weights: as stored, or a float32 copy (CPU; "
+                   "auto: float32 when it fits half the available memory, stored on a GPU)")
 
 
 def _add_sampling_arguments(p) -> None:
@@ -252,6 +262,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source", type=Path, help="HF folder of the source checkpoint "
                    "(default: the cached or synthesized source of a registry id)")
     p.set_defaults(run=_gates)
+
+    p = commands.add_parser("doctor", help="a report to paste into a bug: platform, devices, "
+                            "backend choice, kernel probes, gates, a short speed check")
+    p.add_argument("model", nargs="?", help="a registry id or .gguf to time (default: the "
+                   "tiny synthetic checkpoint)")
+    p.add_argument("--backend", default="auto", help="auto, reference, mlx or jax")
+    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    p.set_defaults(run=_doctor)
 
     p = commands.add_parser("inspect", help="validate an artifact and summarise it")
     p.add_argument("artifact", type=Path)

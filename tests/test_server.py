@@ -185,7 +185,10 @@ def test_models_and_health(server):
     data = json.loads(body)["data"]
     assert [m["id"] for m in data] == [TINY] and data[0]["kipp"]["scheme"] == "bf16"
     assert server.client().models.list().data[0].id == TINY
-    assert json.loads(server.get("/health")[1])["status"] == "ok"
+    health = json.loads(server.get("/health")[1])
+    assert health["status"] == "ok" and health["backend"].startswith("reference (numpy")
+    assert health["kernels"] == {"running": [], "fell_back": {}, "probe_seconds": 0.0,
+                                 "probes": []}  # the reference runs no kernels
 
 
 def test_concurrent_clients_get_their_isolated_generation(server, oracle):

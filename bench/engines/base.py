@@ -35,6 +35,8 @@ class ArmSpec:
     def name(self) -> str:
         engine = f"kipp-{self.backend}" if self.engine == "kipp" else ENGINE_LABELS[self.engine]
         own = self.options.get("own_quant")
+        if "weight_memory" in self.options:  # Kipp arms that differ by weight layout
+            own = f"{self.options['weight_memory']} weights"
         return f"{engine}/{self.scheme}" + (f" ({own})" if own else "")
 
     def to_json(self) -> dict:

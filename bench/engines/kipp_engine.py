@@ -1,7 +1,9 @@
 """Kipp itself, on any backend by name ("reference" today; "mlx" and "jax" plug in later).
 
-The arm loads the artifact through `kipp.load`, checks that `Backend.describe()` names the
-requested backend, scheme and fast path (bench.fallback), and drives sessions directly: prefill is
+The arm loads the artifact through `kipp.load` with kernel fallback off (KIPP_KERNEL_FALLBACK=0:
+a kernel that fails its probe fails the arm) and the arm's `weight_memory` if it has one,
+checks that `Backend.describe()` names the requested backend, scheme and fast path
+(bench.fallback), and drives sessions directly: prefill is
 one `Session.eval` of the prompt, decode is single-token evals with a host argmax. Sessions close
 without publishing their blocks, so no run can adopt a previous run's prefix.
 """
@@ -17,11 +19,16 @@ from bench.fallback import check_kernel_path
 
 class KippEngine(Engine):
     def load(self) -> dict:
+        import os
+
         import kipp
+        from kipp.probe import FALLBACK_ENV
 
         spec = self.spec
+        os.environ[FALLBACK_ENV] = "0"  # a kernel that fails its probe fails the arm, loudly
+        options = {k: v for k, v in spec.options.items() if k == "weight_memory"}
         self.model = kipp.load(spec.artifact, backend=spec.backend, kv_tokens=spec.context,
-                               progress=False)
+                               progress=False, **options)
         described = self.model.backend.describe()
         check_kernel_path(spec.backend, spec.scheme, described, spec.expect_path)
         return {"describe": described, "backend": self.model.backend.name,

@@ -69,7 +69,9 @@ def create_app(model, scheduler, *, model_name: str | None = None,
         if not scheduler.alive:
             return _error_response(APIError(503, "the engine thread is not running",
                                             type="server_error"))
-        return {"status": "ok", "model": served}
+        # which backend path runs, and which kernels fell back to their twins (kipp.probe)
+        return {"status": "ok", "model": served, "backend": model.backend.describe(),
+                "kernels": model.backend.kernel_report().to_json()}
 
     @app.get("/metrics")
     def prometheus():

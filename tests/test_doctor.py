@@ -1,0 +1,79 @@
+"""`kipp doctor`: runs here on the reference, JAX and MLX twins, prints its report and a
+pasteable summary, writes valid JSON, and reports kernels that fell back as not healthy."""
+
+import json
+
+import pytest
+
+from kipp import doctor, probe
+from kipp.cli import main as cli_main
+from kipp.registry import get as registry_entry
+
+TINY = "kipp-synthetic/qwen3-tiny"
+
+
+@pytest.fixture(autouse=True)
+def short_speed_check(monkeypatch):
+    """The speed section's arithmetic, not its numbers, is under test: keep it short."""
+    monkeypatch.setattr(doctor, "SPEED_PROMPT", 32)
+    monkeypatch.setattr(doctor, "SPEED_DECODE", 4)
+    monkeypatch.setattr(doctor, "SPEED_RUNS", 1)
+
+
+@pytest.fixture
+def kipp_home(tmp_path, monkeypatch, artifacts, synthetic_dir):
+    """A KIPP_HOME holding the tiny checkpoint's artifact and source (no synthesis here)."""
+    entry = registry_entry(TINY)
+    slug = TINY.replace("/", "--")
+    artifact = tmp_path / "artifacts" / slug / entry.revision / "bf16.gguf"
+    source = tmp_path / "sources" / slug / entry.revision
+    artifact.parent.mkdir(parents=True)
+    source.parent.mkdir(parents=True)
+    artifact.symlink_to(artifacts(TINY, "bf16"))
+    source.symlink_to(synthetic_dir(TINY), target_is_directory=True)
+    monkeypatch.setenv("KIPP_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_cli_prints_the_report_and_writes_json(kipp_home, tmp_path, capsys):
+    out = tmp_path / "doctor.json"
+    assert cli_main(["doctor", "--backend", "reference", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for section in ("platform:", "packages:", "devices:", "backend:", "kernel probes:",
+                    "gates (tiny synthetic checkpoint):", "speed:", "summary (paste this):"):
+        assert section in printed
+    report = json.loads(out.read_text())
+    assert report["backend"]["chosen"] == "reference" and report["healthy"] is True
+    assert [g["passed"] for g in report["gates"]] == [True] * 4  # reference: no self-gate
+    assert report["speed"]["decode_tok_s"] > 0 and report["speed"]["prefill_tok_s"] > 0
+    assert report["summary"][-1] == "verdict: healthy" and report["summary"][-1] in printed
+
+
+@pytest.mark.parametrize("backend", ["jax", "mlx"])
+def test_doctor_on_the_twins(artifacts, synthetic_dir, backend):
+    pytest.importorskip({"jax": "jax", "mlx": "mlx.core"}[backend])
+    report = doctor.collect(None, backend, tiny=artifacts(TINY), tiny_source=synthetic_dir(TINY))
+    assert report["backend"]["describe"].startswith(f"{backend} (")
+    names = [g["name"] for g in report["gates"]]
+    assert names[0] == f"{backend} vs reference, decode position 43" or "vs reference" in names[0]
+    assert all(g["passed"] for g in report["gates"]), report["gates"]
+    assert report["kernels"]["probes"] == [] and report["healthy"]
+    assert json.loads(json.dumps(report))["summary"] == report["summary"]
+    assert any(line.startswith("kernels: none") for line in report["summary"])
+
+
+def test_doctor_reports_kernels_that_fell_back(artifacts, synthetic_dir, monkeypatch):
+    """JAX asked for compiled Pallas kernels on a CPU: every probe fails to lower, the twins
+    run and pass the gates, and the doctor says which kernels fell back: not healthy."""
+    pytest.importorskip("jax")
+    from kipp.cuda import select
+
+    probe.clear_cache()
+    monkeypatch.setattr(select, "choose_path",
+                        lambda *a: select.Choice(True, False, "forced by the test"))
+    report = doctor.collect(None, "jax", tiny=artifacts(TINY), tiny_source=synthetic_dir(TINY))
+    probe.clear_cache()
+    assert report["kernels"]["running"] == [] and "matvec/f32" in report["kernels"]["fell_back"]
+    assert all(g["passed"] for g in report["gates"]) and not report["healthy"]
+    text = doctor.format_report(report)
+    assert "FELL BACK" in text and "verdict: NOT healthy" in text
