@@ -142,4 +142,14 @@ def collect() -> dict:
     """The provenance block of the measuring process."""
     return {"collected": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "git": git_state(), "host": host(), "python": python(),
-            "packages": package_versions(), "blas": blas(), "environment": environment()}
+            "packages": package_versions(), "blas": blas(), "environment": environment(),
+            "load_average": _load_average()}
+
+
+def _load_average() -> list[float] | None:
+    """1, 5 and 15-minute load averages when the record is written: on a shared machine the
+    other work running beside a measurement is part of its conditions."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None

@@ -172,8 +172,11 @@ def provenance_lines(record: dict) -> list[str]:
     dirty = {True: "dirty", False: "clean", None: "unknown"}[git.get("dirty")]
     versions = ", ".join(f"{k} {v}" for k, v in sorted(p["packages"].items()))
     memory = f"{host['memory_bytes'] / 2**30:.1f} GiB" if host.get("memory_bytes") else "?"
+    load = p.get("load_average")
+    load = f", load average {' / '.join(map(str, load))} (1/5/15 min, at the end)" if load else ""
     lines = [f"- commit `{git.get('commit')}` ({dirty} tree), {record['created']}",
-             f"- {host['cpu_model']}, {host['usable_cores']} usable cores, {memory}, {host['os']}",
+             f"- {host['cpu_model']}, {host['usable_cores']} usable cores, {memory}, "
+             f"{host['os']}{load}",
              f"- python {p['python']['version']}; {versions}"]
     return lines + _other_interpreters(record, p["python"]["executable"])
 

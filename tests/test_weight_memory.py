@@ -144,3 +144,72 @@ def test_load_passes_weight_memory(artifacts):
         kipp.load(path, backend="reference", weight_memory="float32", progress=False)
     with pytest.raises(KippError, match="unknown weight_memory"):
         kipp.load(path, backend="reference", weight_memory="f16", progress=False)
+
+
+def test_mlx_stored_twins_widen_one_chunk_at_a_time(monkeypatch):
+    """MLX left alone widens every chunk of a graph before any product (all of W in float32);
+    the twins chain the chunks so the peak is about one chunk (planted: the chain removed,
+    32 MiB)."""
+    mx = pytest.importorskip("mlx.core")
+    import ml_dtypes
+
+    from kipp.apple import linear
+    from kipp.apple import probe as mlx_probe
+
+    monkeypatch.setattr(linear, "CHUNK_ELEMENTS", 1 << 18)  # 1 MiB of float32 per chunk
+    rows = (np.random.default_rng(0).standard_normal((32768, 256)) * 0.05).astype(np.float32)
+    stored = linear.twin_of(rows.astype(ml_dtypes.bfloat16), "bf16", 256)  # 32 MiB widened
+    probe_planes = mlx_probe.probe_weight("q8_0", np.random.default_rng(0)).planes
+    planes = linear.Linear("q8_0", 64 * 512, 256, planes=tuple(  # the probe weight, 512 times
+        mx.array(np.tile(np.array(p), (512, 1))) for p in probe_planes))
+    x = mx.array(np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32))
+    mx.eval(x)
+    for twin in (lambda: linear.linear_twin(x, stored), lambda: linear.planes_twin(x, planes)):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(twin())
+        assert mx.get_peak_memory() - base < 8 * 2**20
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "affine4_gs32"])
+def test_jax_twin_matmul_blocks_equal_the_reference(fmt, monkeypatch):
+    pytest.importorskip("jax")
+    import jax
+
+    from kipp.cuda import probe as jax_probe
+    from kipp.cuda import quant_matmul, twin_matmul
+
+    w = jax_probe.probe_weight(fmt, np.random.default_rng(5))  # [64, 256]
+    x = np.random.default_rng(6).standard_normal((5, 256)).astype(np.float32)
+    want = np.asarray(quant_matmul.quant_matmul_reference(x, w))
+    monkeypatch.setattr(twin_matmul, "CHUNK_ELEMENTS", 256 * 16)  # four blocks of 16 rows
+    assert twin_matmul.block_rows(64, 256) == 16
+    got = np.asarray(jax.jit(twin_matmul.linear)(x, w))
+    assert gates.nmse(got, want) <= 1e-12
+    one = np.asarray(twin_matmul.linear(x[:1], w))  # one row: the fused path
+    assert gates.nmse(one, want[:1]) <= 1e-12
+
+
+def test_jax_stored_twins_widen_when_their_layer_runs():
+    """Four chained layers of stored BF16 weights (as the CPU twins hold them: uint16 bits;
+    16 MiB each in float32) and one large one (64 MiB, widened in 16 MiB blocks), two rows:
+    XLA's temporaries stay near one block instead of every widened weight (planted: the
+    anchor removed, 64 MiB)."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from kipp.cuda import layout, twin_matmul
+
+    small = layout.Linear(jax.ShapeDtypeStruct((2048, 2048), jnp.uint16), fmt="bf16")
+    large = layout.Linear(jax.ShapeDtypeStruct((2048, 8192), jnp.uint16), fmt="bf16")
+
+    def layers(x, big, *weights):
+        for w in weights:
+            x = twin_matmul.linear(x, w)
+        return twin_matmul.linear(jnp.tile(x, (1, 4)), big)
+
+    x = jax.ShapeDtypeStruct((2, 2048), jnp.float32)
+    compiled = jax.jit(layers).lower(x, large, small, small, small, small).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 24 * 2**20, temp / 2**20

@@ -106,16 +106,19 @@ class JaxBackend(Backend):
     def _load(self, artifact: Artifact, platform: str) -> None:
         cos, sin = rope_tables(np.arange(self.entry.context_length), self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
+        # the CPU twins hold BF16 as uint16 bits (kipp.cuda.layout); kernels read BF16 itself
+        bits = platform == "cpu" and self.layout == "device" and not self.choice.kernels
         if self.mesh is not None:
             from kipp.cuda import sharding
 
             mesh = self.mesh
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-                layout.to_device(value, shardings=sharding.leaf_sharding(name, value, mesh))))
+                layout.to_device(value, shardings=sharding.leaf_sharding(name, value, mesh))),
+                bits)
             kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
         else:
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-                layout.to_device(value, self.device)))
+                layout.to_device(value, self.device)), bits)
             kv_sharding = replicated = self.device
         zeros = jax.jit(lambda: layout.kv_zeros(shape, self.kv_scheme, platform),
                         out_shardings=_as_sharding(kv_sharding))

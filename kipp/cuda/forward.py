@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from kipp.cuda import decode_attention as decode_mod
 from kipp.cuda import prefill_attention as prefill_mod
 from kipp.cuda import quant_matmul as matmul_mod
+from kipp.cuda import twin_matmul
 from kipp.cuda.layout import Linear, QuantizedKV, store_kv, widen_bf16
 from kipp.cuda.rounds import RoundArrays
 from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
@@ -42,7 +43,7 @@ class Ops:
         if self.kernels and not (head and self.interpret) and \
                 kernel_name(x.shape[0], w.fmt) not in self.twins:
             return matmul_mod.quant_matmul(x, w, interpret=self.interpret)
-        return matmul_mod.quant_matmul_reference(x, w)
+        return twin_matmul.linear(x, w)  # quant_matmul_reference, widening chunk by chunk
 
     def attention(self, q, k_cache, v_cache, r: RoundArrays) -> jax.Array:
         """q [S, Tq, H, 128] -> [S, Tq, H, 128] over the paged slab."""
@@ -87,7 +88,7 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
         new_kv.append((k_cache, v_cache))
     h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
     head = params["head"] if params["head"] is not None else params["embed"]
-    fmt = "bf16" if head.dtype == jnp.bfloat16 else "f32"
+    fmt = "f32" if head.dtype == jnp.float32 else "bf16"  # BF16, or its bits (uint16)
     return ops.linear(h, Linear(head, fmt=fmt), head=True), tuple(new_kv)
 
 

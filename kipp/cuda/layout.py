@@ -8,7 +8,10 @@ memory budget; never on a GPU, where a fallback must fit where the kernels fit):
   packed planes (never widened): q8_0 -> int8 `[out, in/32, 32]`; scale4_gs32 and affine4_gs32
   -> uint8 nibbles `[out, in/32, 16]` in GGML order (byte j: element j low, j + 16 high); plus
   fp16 scales `d` (and affine4's `m`) `[out, in/32]`, the file's own bits. Embedding and
-  output head stay BF16.
+  output head stay BF16. For the twins on XLA's CPU the BF16 tensors are held as their uint16
+  bit patterns (`bits`), as the KV slab is: XLA's CPU has no native BF16, widens a BF16 operand
+  it slices or bitcasts into a whole float32 or uint16 copy, and hoists that copy out of the
+  loops of kipp.cuda.twin_matmul; widening the bits (a shift) it fuses into a one-row dot.
 - "f32" (CPU): every projection, the embedding and the head widened to float32 (exact: BF16
   widening and the dequantizer's float32 arithmetic are lossless). XLA's CPU backend fuses a
   widening into a one-row dot, but for more rows it falls off its fast matrix path. Measured
@@ -80,12 +83,13 @@ class Linear:
 jax.tree_util.register_dataclass(Linear, data_fields=["w", "d", "m"], meta_fields=["fmt"])
 
 
-def pack_linear(t: Tensor, layout: str) -> Linear:
-    """A projection tensor in the chosen layout, as numpy arrays (placed on a device later)."""
+def pack_linear(t: Tensor, layout: str, bits: bool = False) -> Linear:
+    """A projection tensor in the chosen layout, as numpy arrays (placed on a device later);
+    `bits`: BF16 as its uint16 bit pattern (the CPU twins', module docstring)."""
     if layout == "f32":
         return Linear(np.ascontiguousarray(t.f32()), fmt="f32")
     if t.ggml_type == GGML_BF16:
-        return Linear(t.bf16(), fmt="bf16")
+        return Linear(_bf16(t, bits), fmt="bf16")
     if t.ggml_type == GGML_F32:
         return Linear(t.f32(), fmt="f32")
     scheme = SCHEMES_BY_GGML_TYPE[t.ggml_type]
@@ -97,6 +101,10 @@ def pack_linear(t: Tensor, layout: str) -> Linear:
     nibbles = np.ascontiguousarray(blocks[..., scheme.block_bytes - 16:])
     m = _fp16_plane(blocks, 2) if scheme.name == "affine4_gs32" else None
     return Linear(nibbles, d, m, fmt=scheme.name)
+
+
+def _bf16(t: Tensor, bits: bool) -> np.ndarray:
+    return t.bf16().view(np.uint16) if bits else t.bf16()
 
 
 def _fp16_plane(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -112,30 +120,33 @@ def prepare_weights(artifact: Artifact, layout: str) -> dict[str, Any]:
     return place_weights(artifact, layout, lambda name, value: value)
 
 
-def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], Any]
-                  ) -> dict[str, Any]:
+def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], Any],
+                  bits: bool = False) -> dict[str, Any]:
     """prepare_weights' pytree, one tensor at a time: each is packed, handed to
     `place(name, value)` (name: "embed", "head", "output_norm", a projection or a norm; it puts
     the value on a device and returns what the tree holds), then its mapped pages are released
     (Artifact.release). So the host never holds more than one packed tensor beside what is
-    placed, and the file's pages and the placed copies are not resident together."""
+    placed, and the file's pages and the placed copies are not resident together. `bits`: BF16
+    tensors of the "device" layout as uint16 bit patterns (the CPU twins')."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     w = artifact.weights
 
     def put(name, tensor, value):
-        placed = place(name, value)
+        placed = jax.block_until_ready(place(name, value))  # copied before the pages go
         artifact.release(tensor)
         return placed
 
-    table = w.token_embd.f32() if layout == "f32" else w.token_embd.bf16()
-    tree = {"embed": put("embed", w.token_embd, table), "head": None}
+    def table(t):
+        return t.f32() if layout == "f32" else _bf16(t, bits)
+
+    tree = {"embed": put("embed", w.token_embd, table(w.token_embd)), "head": None}
     if not w.tied:
-        tree["head"] = put("head", w.output,
-                           w.output.f32() if layout == "f32" else w.output.bf16())
+        tree["head"] = put("head", w.output, table(w.output))
     layers = []
     for layer in w.layers:
-        params = {name: put(name, getattr(layer, name), pack_linear(getattr(layer, name), layout))
+        params = {name: put(name, getattr(layer, name),
+                            pack_linear(getattr(layer, name), layout, bits))
                   for name in PROJECTIONS}
         params.update({name: place(name, getattr(layer, name).f32()) for name in NORMS})
         layers.append(params)

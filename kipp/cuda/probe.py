@@ -1,5 +1,5 @@
 """JaxBackend's kernel probes: every Pallas kernel variant a checkpoint will use, compiled and run
-once at load on a small input against the jax.numpy twin that would replace it (kipp.probe
+once at load on a small input against the jax.numpy twin that would replace it (kipp.cuda.twin_matmul for the matmuls; kipp.probe
 runs and judges them).
 
 Variants: quant_matmul's two bodies, "matvec/<fmt>" (a few rows: multiply-reduce) and
@@ -30,6 +30,7 @@ from kipp.cuda import decode_attention as decode_mod
 from kipp.cuda import layout
 from kipp.cuda import prefill_attention as prefill_mod
 from kipp.cuda import quant_matmul as matmul_mod
+from kipp.cuda import twin_matmul
 from kipp.probe import Probe
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
@@ -55,7 +56,7 @@ def probes(fmts, kv_scheme: str, query_heads: int, *, interpret: bool, device,
             found.append(Probe(
                 f"{kind}/{fmt}",
                 lambda x=x, w=w: np.asarray(matmul_mod.quant_matmul(x, w, interpret=interpret)),
-                lambda x=x, w=w: np.asarray(matmul_mod.quant_matmul_reference(x, w)),
+                lambda x=x, w=w: np.asarray(twin_matmul.linear(x, w)),
                 EXACT_BOUND if kind == "matvec" else TILE_BOUND))
     return found + _attention_probes(kv_scheme, query_heads, interpret, device, rng)
 
