@@ -39,6 +39,7 @@ PACKAGES = ("kipp", "numpy", "ml_dtypes", "jax", "jaxlib", "jax-cuda12-plugin", 
 SWITCHES = ("KIPP_HOME", "KIPP_KERNEL_FALLBACK", "KIPP_MLX_TWINS", "KIPP_JAX_TWINS",
             "KIPP_MLX_CPU_STREAMS", "JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
 GATE_BLOCKS = 16
+GATE_PROMPTS = gates.DEFAULT_PROMPTS  # the prompts of `kipp gates`
 SPEED_PROMPT = 128  # prefill tokens timed
 SPEED_DECODE = 16  # decode steps timed
 SPEED_RUNS = 3
@@ -158,9 +159,11 @@ def run_gates(artifact, chosen, source=None) -> list[gates.GateResult]:
         results.append(gates.gate_backends(oracle, chosen, tokens, table, logits_rows=4,
                                            decode_steps=4))
     results.append(_transformers_gate(model, source))
-    results += [gates.gate_cached_decode(model), gates.gate_scrambled_table(model),
-                gates.gate_batched(model, tolerance=0.0 if chosen.name == "reference"
-                                   else gates.BACKEND_NMSE)]
+    counting = GATE_PROMPTS[min(2, len(GATE_PROMPTS) - 1)]  # `kipp gates`' scrambled prompt
+    results += [gates.gate_cached_decode(model, GATE_PROMPTS[0]),
+                gates.gate_scrambled_table(model, counting),
+                gates.gate_batched(model, GATE_PROMPTS, tolerance=0.0 if chosen.name ==
+                                   "reference" else gates.BACKEND_NMSE)]
     return results
 
 
@@ -175,7 +178,7 @@ def _transformers_gate(model, source) -> gates.GateResult:
         from kipp.store import source_folder
 
         source = source_folder(TINY, progress=False)
-    return gates.gate_transformers(model, source)
+    return gates.gate_transformers(model, source, GATE_PROMPTS)
 
 
 def _gate_json(g: gates.GateResult) -> dict:

@@ -13,8 +13,11 @@ TINY = "kipp-synthetic/qwen3-tiny"
 
 
 @pytest.fixture(autouse=True)
-def short_speed_check(monkeypatch):
-    """The speed section's arithmetic, not its numbers, is under test: keep it short."""
+def short_checks(monkeypatch):
+    """The report is under test, not the gates (tests/test_reference.py runs `kipp gates`) nor
+    the speed: two short prompts, a short timing."""
+    monkeypatch.setattr(doctor, "GATE_PROMPTS", ("The capital of France is Paris. The capital "
+                                                 "of Germany is", "1, 2, 3, 5, 8, 13, 21"))
     monkeypatch.setattr(doctor, "SPEED_PROMPT", 32)
     monkeypatch.setattr(doctor, "SPEED_DECODE", 4)
     monkeypatch.setattr(doctor, "SPEED_RUNS", 1)

@@ -5,8 +5,8 @@ model reaches its kernels: MLX's `linear.kernel` / `attention.kernel` factories 
 from test_mlx_backend; the Metal emulator can stand in the same way), and JAX's Pallas entry
 points in interpret mode. Each test plants two faults, a kernel whose compile raises and one
 that returns wrong numbers, and checks: that kernel alone runs its twin, one warning line names
-it, describe() and kernel_report() name it, generation is correct (gated against the reference
-and greedy text equal), and with fallback off (fallback=False or KIPP_KERNEL_FALLBACK=0) the load
+it, describe() and kernel_report() name it, generation is correct (greedy decoding gated step
+by step against the reference; on MLX also the generated text), and with fallback off (fallback=False or KIPP_KERNEL_FALLBACK=0) the load
 raises KernelError naming the kernel.
 """
 
@@ -250,10 +250,11 @@ def test_jax_injected_failures_fall_back_per_kernel(artifacts, jax_faults, caplo
     assert len(warned) == 2 and all("running its twin" in w for w in warned)
     assert "fell back to twins: matmul/q8_0 (RuntimeError: Triton" in jb.describe()
     jax_faults.clear()
-    _gate(ReferenceBackend(artifact, BLOCKS), jb)
+    # greedy decoding through the fallbacks: every step's argmax is the reference's (each
+    # interpret-mode bucket compiles for tens of seconds, so no second generation here)
+    _gate(ReferenceBackend(artifact, BLOCKS), jb, prompt_len=20, decode_steps=3)
     # the step traced the q8_0 kernel (matvec body) but never the failed ones
     assert jax_faults.get("q8_0") and "decode" not in jax_faults
-    _same_text(artifact, jb)
 
 
 def test_jax_fallback_off_raises(artifacts, jax_faults, monkeypatch):

@@ -1,6 +1,6 @@
 """JaxBackend's kernel probes: every Pallas kernel variant a checkpoint will use, compiled and run
-once at load on a small input against the jax.numpy twin that would replace it (kipp.cuda.twin_matmul for the matmuls; kipp.probe
-runs and judges them).
+once at load on a small input against the jax.numpy twin that would replace it
+(kipp.cuda.twin_matmul for the matmuls); kipp.probe runs and judges them.
 
 Variants: quant_matmul's two bodies, "matvec/<fmt>" (a few rows: multiply-reduce) and
 "matmul/<fmt>" (tile dot), for each weight format the step feeds it (the projections' format
