@@ -266,3 +266,63 @@ def test_jax_fallback_off_raises(artifacts, jax_faults, monkeypatch):
     monkeypatch.setenv(probe.FALLBACK_ENV, "0")
     with pytest.raises(probe.KernelError, match="decode_attention/bf16 failed .*disagrees"):
         JaxBackend(open_artifact(artifacts(TINY, "bf16")), BLOCKS, path="interpret")
+
+
+def _kernels_pass_their_probes(monkeypatch):
+    """A GPU whose kernels pass their probes, on this CPU: compiled (non-interpret) Pallas
+    kernels chosen, the probes reported passing."""
+    from kipp.cuda import select
+    from kipp.cuda.backend import JaxBackend
+
+    monkeypatch.setattr(select, "choose_path",
+                        lambda *a: select.Choice(True, False, "forced by the test"))
+    monkeypatch.setattr(JaxBackend, "_probe", lambda self: probe.KernelReport(
+        [probe.ProbeResult("matvec/bf16", True), probe.ProbeResult("decode_attention/bf16",
+                                                                    True)]))
+
+
+def test_jax_first_step_compile_error_falls_back(artifacts, monkeypatch, caplog):
+    """The whole step fails to compile at load (here: Pallas cannot lower for a CPU), after
+    every probe passed: the kernels still running fall back, with a warning."""
+    pytest.importorskip("jax")
+    from kipp.cuda.backend import JaxBackend
+
+    _kernels_pass_their_probes(monkeypatch)
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    with caplog.at_level("WARNING", logger="kipp.cuda"):
+        jb = JaxBackend(artifact, BLOCKS, weight_memory="stored")
+    assert set(jb.kernel_report().fell_back) == {"matvec/bf16", "decode_attention/bf16"}
+    assert all("the step failed to compile" in e for e in jb.kernel_report().fell_back.values())
+    assert len(_warnings(caplog, "kipp.cuda")) == 1
+    with pytest.raises(probe.KernelError, match="the step failed to compile"):
+        JaxBackend(artifact, BLOCKS, weight_memory="stored", fallback=False)
+
+
+def test_jax_first_step_runtime_error_falls_back(artifacts, monkeypatch, caplog):
+    """A step that compiles but faults when it first runs (a stand-in program raising what a
+    CUDA launch error raises): the kernels fall back, the slab is fresh, and eval is right."""
+    pytest.importorskip("jax")
+    from kipp.cuda.backend import JaxBackend
+
+    _kernels_pass_their_probes(monkeypatch)
+    real_compile = JaxBackend._compile
+
+    def compile_(self, bucket, arrays):
+        if self.kernel_report().running:  # the kernels' program: faults at run time
+            def run(*args):
+                raise RuntimeError("INTERNAL: CUDA error: an illegal memory access was "
+                                   "encountered (CUDA_ERROR_ILLEGAL_ADDRESS)")
+            return run
+        return real_compile(self, bucket, arrays)
+
+    monkeypatch.setattr(JaxBackend, "_compile", compile_)
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    with caplog.at_level("WARNING", logger="kipp.cuda"):
+        jb = JaxBackend(artifact, BLOCKS, weight_memory="stored")
+    assert jb.kernel_report().running == []
+    assert all("the first step failed (RuntimeError: INTERNAL: CUDA error" in e
+               for e in jb.kernel_report().fell_back.values())
+    assert "fell back to twins" in jb.describe()
+    _gate(ReferenceBackend(artifact, BLOCKS), jb, prompt_len=20, decode_steps=2)
+    with pytest.raises(probe.KernelError, match="the first step failed"):
+        JaxBackend(artifact, BLOCKS, weight_memory="stored", fallback=False)

@@ -227,7 +227,9 @@ class JaxBackend(Backend):
         return program
 
     def _ops(self) -> forward.Ops:
-        return forward.Ops(kernels=self.choice.kernels, interpret=self.choice.interpret,
+        # no probed kernel left running: nothing runs a kernel, probed or not
+        kernels = self.choice.kernels and bool(self.kernels.running)
+        return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back))
 
 
