@@ -213,3 +213,14 @@ def test_jax_stored_twins_widen_when_their_layer_runs():
     compiled = jax.jit(layers).lower(x, large, small, small, small, small).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= 24 * 2**20, temp / 2**20
+
+
+def test_cli_flag_reaches_load(artifacts, capsys):
+    from kipp.cli import main as cli_main
+
+    path = str(artifacts(TINY, "bf16"))
+    assert cli_main(["run", path, "--prompt", "Hi", "--max-tokens", "1", "--backend",
+                     "reference", "--weight-memory", "float32"]) == 1
+    assert "weight_memory='float32' applies to the jax and mlx backends" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        cli_main(["run", path, "--prompt", "Hi", "--weight-memory", "half"])
