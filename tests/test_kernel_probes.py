@@ -18,7 +18,6 @@ import pytest
 
 from kipp import gates, probe
 from kipp.artifact import open_artifact
-from kipp.backend import EvalItem
 from kipp.model import Model
 from kipp.reference.backend import ReferenceBackend
 
