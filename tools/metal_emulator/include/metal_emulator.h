@@ -49,6 +49,13 @@ struct bfloat {
   }
 };
 
+// The emulator's own simd bookkeeping (not the kernel's memory accesses) runs unsanitized.
+#if defined(__clang__)
+#define MSLEMU_UNCHECKED __attribute__((no_sanitize("address", "thread", "undefined")))
+#else
+#define MSLEMU_UNCHECKED __attribute__((no_sanitize_address, no_sanitize_thread, no_sanitize_undefined))
+#endif
+
 namespace mslemu {
 template <class T>
 constexpr bool is_scalar_v = std::is_arithmetic<T>::value || std::is_same<T, half>::value ||
@@ -180,7 +187,7 @@ namespace fast { using metal::exp; using metal::exp2; using metal::log; using me
 
 namespace detail {
 template <class T>
-inline T lane_value(const mslemu::Gathered& g, uint32_t lane) {
+MSLEMU_UNCHECKED inline T lane_value(const mslemu::Gathered& g, uint32_t lane) {
   T v;
   memcpy(&v, g.slots + lane * mslemu::kSlotBytes, sizeof(T));
   return v;
@@ -192,7 +199,7 @@ inline mslemu::Gathered gather(const T& v, const char* what, int line) {
 }
 // A butterfly over the 32 lane positions: lanes 0..15 take 16..31, then 0..7 take 8..15, ...
 template <class T, class Op>
-inline T reduce(const mslemu::Gathered& g, Op op) {
+MSLEMU_UNCHECKED inline T reduce(const mslemu::Gathered& g, Op op) {
   T buf[mslemu::kSimdWidth];
   bool has[mslemu::kSimdWidth];
   for (int i = 0; i < mslemu::kSimdWidth; ++i) {
@@ -214,32 +221,57 @@ inline T from_lane(const mslemu::Gathered& g, uint32_t lane, const char* what) {
 }
 }  // namespace detail
 
+namespace detail {
+struct Sum { template <class T> T operator()(T a, T b) const { return T(a + b); } };
+struct Product { template <class T> T operator()(T a, T b) const { return T(a * b); } };
+struct Max { template <class T> T operator()(T a, T b) const { return max(a, b); } };
+struct Min { template <class T> T operator()(T a, T b) const { return min(a, b); } };
+struct And { template <class T> T operator()(T a, T b) const { return T(a & b); } };
+struct Or { template <class T> T operator()(T a, T b) const { return T(a | b); } };
+struct Xor { template <class T> T operator()(T a, T b) const { return T(a ^ b); } };
+struct All { bool operator()(bool a, bool b) const { return a && b; } };
+struct Any { bool operator()(bool a, bool b) const { return a || b; } };
+template <class T, class Op>
+MSLEMU_UNCHECKED void compute_reduce(const mslemu::Gathered& g, void* out) {
+  const T r = reduce<T>(g, Op());
+  memcpy(out, &r, sizeof(T));
+}
+// Every lane gets the one reduction, computed once for the simdgroup.
+template <class T, class Op>
+inline T reduction(const T& v, const char* what, int line) {
+  const mslemu::Gathered g = gather(v, what, line);
+  T r;
+  mslemu::simd_shared(g, &r, sizeof(T), &compute_reduce<T, Op>);
+  return r;
+}
+}  // namespace detail
+
 template <class T> inline T simd_sum(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_sum", line), [](T a, T b) { return T(a + b); });
+  return detail::reduction<T, detail::Sum>(v, "simd_sum", line);
 }
 template <class T> inline T simd_product(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_product", line), [](T a, T b) { return T(a * b); });
+  return detail::reduction<T, detail::Product>(v, "simd_product", line);
 }
 template <class T> inline T simd_max(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_max", line), [](T a, T b) { return max(a, b); });
+  return detail::reduction<T, detail::Max>(v, "simd_max", line);
 }
 template <class T> inline T simd_min(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_min", line), [](T a, T b) { return min(a, b); });
+  return detail::reduction<T, detail::Min>(v, "simd_min", line);
 }
 template <class T> inline T simd_and(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_and", line), [](T a, T b) { return T(a & b); });
+  return detail::reduction<T, detail::And>(v, "simd_and", line);
 }
 template <class T> inline T simd_or(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_or", line), [](T a, T b) { return T(a | b); });
+  return detail::reduction<T, detail::Or>(v, "simd_or", line);
 }
 template <class T> inline T simd_xor(T v, int line = __builtin_LINE()) {
-  return detail::reduce<T>(detail::gather(v, "simd_xor", line), [](T a, T b) { return T(a ^ b); });
+  return detail::reduction<T, detail::Xor>(v, "simd_xor", line);
 }
 inline bool simd_all(bool v, int line = __builtin_LINE()) {
-  return detail::reduce<bool>(detail::gather(v, "simd_all", line), [](bool a, bool b) { return a && b; });
+  return detail::reduction<bool, detail::All>(v, "simd_all", line);
 }
 inline bool simd_any(bool v, int line = __builtin_LINE()) {
-  return detail::reduce<bool>(detail::gather(v, "simd_any", line), [](bool a, bool b) { return a || b; });
+  return detail::reduction<bool, detail::Any>(v, "simd_any", line);
 }
 // Sums over the active lanes below the caller, in lane order.
 template <class T> inline T simd_prefix_exclusive_sum(T v, int line = __builtin_LINE()) {
@@ -350,30 +382,51 @@ inline void simdgroup_store(const simdgroup_matrix<T, R, C>& m, U* dst, ulong el
   }
 }
 
-// d = a * b + c: float accumulation, k in order, one fused multiply-add per term.
+namespace detail {
+template <class T>
+struct MmaLane { vec<T, 2> a, b, c; };
+// All 64 cells of d = a * b + c, once per simdgroup: float accumulation over k in order, one
+// fused multiply-add per term (Apple's order and rounding are not known: README).
+template <class T>
+MSLEMU_UNCHECKED void compute_mma(const mslemu::Gathered& g, void* out) {
+  float a[8][8], b[8][8], c[8][8];
+  for (uint32_t l = 0; l < uint32_t(mslemu::kSimdWidth); ++l) {
+    const MmaLane<T> m = lane_value<MmaLane<T>>(g, l);
+    int row, col;
+    lane_cell(l, row, col);
+    for (int k = 0; k < 2; ++k) {
+      a[row][col + k] = float(m.a[k]);
+      b[row][col + k] = float(m.b[k]);
+      c[row][col + k] = float(m.c[k]);
+    }
+  }
+  T d[8][8];
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) {
+      float s = c[i][j];
+      for (int k = 0; k < 8; ++k) s = __builtin_fmaf(a[i][k], b[k][j], s);
+      d[i][j] = T(s);
+    }
+  memcpy(out, d, sizeof d);
+}
+}  // namespace detail
+
+// d = a * b + c (8x8): a simd operation of the whole simdgroup.
 template <class T, int M, int K, int N>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, M, N>& d, const simdgroup_matrix<T, M, K>& a,
                                           const simdgroup_matrix<T, K, N>& b,
                                           const simdgroup_matrix<T, M, N>& c,
                                           int line = __builtin_LINE()) {
-  struct Pair { vec<T, 2> a, b; } mine{a.e, b.e};
-  auto g = detail::gather(mine, "simdgroup_multiply_accumulate", line);
+  static_assert(sizeof(T[8][8]) <= mslemu::kSharedBytes, "matrix too large for the shared area");
+  const detail::MmaLane<T> mine{a.e, b.e, c.e};
+  const mslemu::Gathered g = detail::gather(mine, "simdgroup_multiply_accumulate", line);
   if (g.lanes != 0xffffffffu)
     mslemu::fail("simdgroup_multiply_accumulate with inactive lanes (mask %08x)", g.lanes);
+  T cells[8][8];
+  mslemu::simd_shared(g, cells, sizeof cells, &detail::compute_mma<T>);
   int row, col;
   detail::lane_cell(g.me, row, col);
-  vec<T, 2> out;
-  for (int k = 0; k < 2; ++k) {
-    const int j = col + k;
-    float s = float(c.e[k]);
-    for (int t = 0; t < K; ++t) {
-      const Pair pa = detail::lane_value<Pair>(g, detail::cell_lane(row, t));
-      const Pair pb = detail::lane_value<Pair>(g, detail::cell_lane(t, j));
-      s = __builtin_fmaf(float(pa.a[t & 1]), float(pb.b[j & 1]), s);
-    }
-    out[k] = T(s);
-  }
-  d.e = out;
+  d.e = vec<T, 2>(cells[row][col], cells[row][col + 1]);
 }
 template <class T, int M, int K, int N>
 inline void simdgroup_multiply(simdgroup_matrix<T, M, N>& d, const simdgroup_matrix<T, M, K>& a,

@@ -9,6 +9,7 @@ namespace mslemu {
 
 constexpr int kSimdWidth = 32;     // Apple GPUs: 32 lanes per simdgroup
 constexpr size_t kSlotBytes = 64;  // the largest value one lane can hand to a simd operation
+constexpr size_t kSharedBytes = 256;  // the largest result a simd operation computes once for all
 
 // One GPU thread's position, as the Metal attributes report it (see runtime.cpp's dispatch).
 struct Ids {
@@ -32,7 +33,14 @@ struct Gathered {
   const unsigned char* slots;
   uint32_t lanes;
   uint32_t me;
+  int buffer;  // which of the simdgroup's two slot buffers (for simd_shared)
 };
+
+// The result of a simd operation that is the same for every lane (a reduction, a matrix
+// product): the first lane to ask computes it with `compute(g, out)` into the simdgroup's shared
+// area, every lane gets a copy of its first `size` bytes in `out`.
+typedef void (*SharedCompute)(const Gathered& g, void* out);
+void simd_shared(const Gathered& g, void* out, size_t size, SharedCompute compute);
 
 // Blocks until every live lane of the simdgroup has called the same operation (`what`, at
 // source line `line`); lanes that reach a different one are reported as divergent.

@@ -17,6 +17,7 @@
 //
 // usage: kernel GX GY GZ TX TY TZ WORKERS (i|o):PATH...
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,6 @@
 #include "metal_emulator_abi.h"
 
 #if MSLEMU_ASAN
-#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 #if MSLEMU_TSAN
@@ -125,7 +125,16 @@ struct Simdgroup {
   Pending pending;
   int phase = 0;  // simd operations completed: selects the slot buffer
   uint32_t lanes_done[2] = {0, 0};
+  bool shared_ready[2] = {false, false};
   alignas(64) unsigned char slots[2][kSimdWidth][kSlotBytes];
+  alignas(64) unsigned char shared[2][kSharedBytes];
+
+  void reset(int lanes) {
+    live = lanes;
+    pending = Pending();
+    phase = 0;
+    shared_ready[0] = shared_ready[1] = false;
+  }
 };
 
 struct Allocation {
@@ -170,7 +179,7 @@ void* const* g_buffers = nullptr;
 
 // ---- switching, with the sanitizers told -------------------------------------------------
 
-void enter(Worker& w, Fiber* f) {  // scheduler -> fiber
+void enter(Worker& w, Fiber* f) {  // scheduler -> fiber; back when no fiber is ready
   w.current = f;
 #if MSLEMU_ASAN
   void* fake = nullptr;
@@ -186,20 +195,28 @@ void enter(Worker& w, Fiber* f) {  // scheduler -> fiber
   w.current = nullptr;
 }
 
-void leave(Fiber* f, bool finished) {  // fiber -> scheduler
+// Fiber f stops (blocked, or finished for good): straight on to the next ready fiber, or back
+// to the scheduler when none is ready (one switch per block, not two).
+void leave(Fiber* f, bool finished) {
   Worker& w = *f->worker;
+  Fiber* next = nullptr;
+  if (!w.ready.empty()) {
+    next = w.ready.front();
+    w.ready.pop_front();
+  }
+  w.current = next;
 #if MSLEMU_ASAN
-  __sanitizer_start_switch_fiber(finished ? nullptr : &f->asan_fake_stack, w.scheduler_stack,
-                                 w.scheduler_stack_size);
+  __sanitizer_start_switch_fiber(finished ? nullptr : &f->asan_fake_stack,
+                                 next ? next->stack : w.scheduler_stack,
+                                 next ? kStackBytes : w.scheduler_stack_size);
 #endif
 #if MSLEMU_TSAN
-  __tsan_switch_to_fiber(w.scheduler_tsan, __tsan_switch_to_fiber_no_sync);
+  __tsan_switch_to_fiber(next ? next->tsan : w.scheduler_tsan, __tsan_switch_to_fiber_no_sync);
 #endif
-  mslemu_switch_stack(&f->sp, w.scheduler_sp);
+  mslemu_switch_stack(&f->sp, next ? next->sp : w.scheduler_sp);
 #if MSLEMU_ASAN
-  __sanitizer_finish_switch_fiber(f->asan_fake_stack, &w.scheduler_stack, &w.scheduler_stack_size);
+  __sanitizer_finish_switch_fiber(f->asan_fake_stack, nullptr, nullptr);
 #endif
-  (void)finished;
 }
 
 void release_sync(void* address) {
@@ -225,6 +242,7 @@ void wake(Worker& w, Pending& p) {
 
 void complete_simd(Worker& w, Simdgroup& s) {
   s.lanes_done[s.phase & 1] = s.pending.lanes;
+  s.shared_ready[s.phase & 1] = false;
   ++s.phase;
   wake(w, s.pending);
 }
@@ -234,7 +252,7 @@ void arrive(Worker& w, Pending& p, const char* what, int line, const char* scope
   if (p.arrived == 0) {
     p.what = what;
     p.line = line;
-  } else if (p.line != line || strcmp(p.what, what) != 0) {
+  } else if (p.line != line || (p.what != what && strcmp(p.what, what) != 0)) {
     fail("threadgroup (%u,%u,%u) thread %u: divergent %s: it reached %s at line %d while %d "
          "other thread(s) wait at %s at line %d",
          w.group[0], w.group[1], w.group[2], w.current->ids.thread_index_in_threadgroup, scope,
@@ -281,8 +299,7 @@ void finish_thread(Fiber* f) {
 
 void fiber_main(Fiber* f) {
 #if MSLEMU_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &f->worker->scheduler_stack,
-                                  &f->worker->scheduler_stack_size);
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
   acquire_sync(&f->worker->tsan_group_start);
   mslemu_kernel(g_buffers, f->ids);
@@ -304,9 +321,6 @@ void arm(Fiber* f) {
     f->tsan = __tsan_create_fiber(0);
 #endif
   }
-#if MSLEMU_ASAN
-  __asan_unpoison_memory_region(f->stack, kStackBytes);  // frames left by the last thread
-#endif
   uint64_t* top = reinterpret_cast<uint64_t*>(f->stack + kStackBytes);
   top[-1] = reinterpret_cast<uint64_t>(&mslemu_fiber_entry);  // return address
   top[-2] = 0;                                                // rbp
@@ -353,8 +367,8 @@ void run_group(Worker& w, const Dispatch& d, uint64_t index) {
   memcpy(w.group, g, sizeof g);
   w.total = total;
   w.finished = 0;
-  w.simd.assign(simds, Simdgroup());
-  for (int s = 0; s < simds; ++s) w.simd[s].live = std::min(kSimdWidth, total - s * kSimdWidth);
+  w.simd.resize(simds);
+  for (int s = 0; s < simds; ++s) w.simd[s].reset(std::min(kSimdWidth, total - s * kSimdWidth));
   if (int(w.fibers.size()) < total) w.fibers.resize(total);
   release_sync(&w.tsan_group_start);
   for (int t = 0; t < total; ++t) {
@@ -381,6 +395,13 @@ void run_group(Worker& w, const Dispatch& d, uint64_t index) {
 void run_worker(const Dispatch& d, std::atomic<uint64_t>& next) {
   Worker w;
   tls_worker = &w;
+  pthread_attr_t attr;  // this OS thread's stack, for ASan's fiber annotations
+  if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+    void* base;
+    pthread_attr_getstack(&attr, &base, &w.scheduler_stack_size);
+    w.scheduler_stack = base;
+    pthread_attr_destroy(&attr);
+  }
 #if MSLEMU_TSAN
   w.scheduler_tsan = __tsan_get_current_fiber();
 #endif
@@ -410,7 +431,18 @@ Gathered simd_gather(const void* value, size_t size, const char* what, int line)
   if (s.pending.arrived == s.live) complete_simd(w, s);
   else block(w, s.pending);
   acquire_sync(&s.pending);
-  return Gathered{&s.slots[buffer][0][0], s.lanes_done[buffer], lane};
+  return Gathered{&s.slots[buffer][0][0], s.lanes_done[buffer], lane, buffer};
+}
+
+void simd_shared(const Gathered& g, void* out, size_t size, SharedCompute compute) {
+  Worker& w = *tls_worker;
+  Simdgroup& s = w.simd[w.current->simd];
+  if (size > kSharedBytes) fail("a simd result of %zu bytes is larger than the shared area", size);
+  if (!s.shared_ready[g.buffer]) {
+    compute(g, s.shared[g.buffer]);
+    s.shared_ready[g.buffer] = true;
+  }
+  memcpy(out, s.shared[g.buffer], size);
 }
 
 void threadgroup_barrier(const char* what, int line) {
