@@ -43,9 +43,11 @@ BLOCKS = 12
 # <= 1.9e-14.
 LINEAR_NMSE = 1e-12
 ATTENTION_NMSE = 1e-13
-# At the registry shapes (K up to 3072) the twin's float32 error grows with K: vs the twin
-# <= 1.0e-12, vs the reference <= 3.3e-13 (slow tests below).
+# At the registry shapes float32 rounding grows with the sums' length (slow tests below): linear
+# (K up to 3072) vs the twin <= 1.0e-12, vs the reference <= 3.3e-13; attention over 2,000
+# positions vs the twin <= 7.9e-13, vs the reference <= 2.7e-13.
 REGISTRY_LINEAR_NMSE = 5e-12
+REGISTRY_ATTENTION_NMSE = 5e-12
 
 ASAN = Emulator("asan")
 FAST = Emulator("fast")
@@ -223,7 +225,7 @@ def test_decode_attention_at_registry_shape(kv_scheme, heads):
     r = attention_case(kv_scheme, heads, [2000, 517], attention.BLOCKS_PER_SPLIT)
     print(f"decode attention {kv_scheme} H={heads} over 2000: NMSE vs reference "
           f"{r.vs_reference:.1e}, vs twin {r.vs_twin:.1e} ({r.seconds:.1f} s)")
-    assert r.vs_reference <= ATTENTION_NMSE and r.vs_twin <= ATTENTION_NMSE
+    assert r.vs_reference <= REGISTRY_ATTENTION_NMSE and r.vs_twin <= REGISTRY_ATTENTION_NMSE
 
 
 # ---- ThreadSanitizer over every kernel (slow) ----------------------------------------------
