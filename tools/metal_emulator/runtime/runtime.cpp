@@ -40,6 +40,10 @@
 #endif
 #if MSLEMU_TSAN
 #include <sanitizer/tsan_interface.h>
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #endif
 
 namespace mslemu {
@@ -175,6 +179,22 @@ struct Worker {
 };
 
 thread_local Worker* tls_worker = nullptr;
+
+// The runtime's own memory traffic (its vectors' allocations, the lane slots it copies) goes
+// through intercepted libc calls that TSan would see and pair up across fibers; this guard hides
+// it for the current fiber. Kernel code never runs under it.
+struct Untracked {
+#if MSLEMU_TSAN
+  Untracked() {
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+  }
+  ~Untracked() {
+    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+  }
+#endif
+};
 void* const* g_buffers = nullptr;
 
 // ---- switching, with the sanitizers told -------------------------------------------------
@@ -200,9 +220,12 @@ void enter(Worker& w, Fiber* f) {  // scheduler -> fiber; back when no fiber is 
 void leave(Fiber* f, bool finished) {
   Worker& w = *f->worker;
   Fiber* next = nullptr;
-  if (!w.ready.empty()) {
-    next = w.ready.front();
-    w.ready.pop_front();
+  {
+    Untracked untracked;  // not across the switch: a finished fiber never comes back
+    if (!w.ready.empty()) {
+      next = w.ready.front();
+      w.ready.pop_front();
+    }
   }
   w.current = next;
 #if MSLEMU_ASAN
@@ -303,7 +326,10 @@ void fiber_main(Fiber* f) {
 #endif
   acquire_sync(&f->worker->tsan_group_start);
   mslemu_kernel(g_buffers, f->ids);
-  finish_thread(f);
+  {
+    Untracked untracked;
+    finish_thread(f);
+  }
   leave(f, true);
   fail("a finished GPU thread was resumed");
 }
@@ -393,6 +419,7 @@ void run_group(Worker& w, const Dispatch& d, uint64_t index) {
 }
 
 void run_worker(const Dispatch& d, std::atomic<uint64_t>& next) {
+  Untracked untracked;
   Worker w;
   tls_worker = &w;
   pthread_attr_t attr;  // this OS thread's stack, for ASan's fiber annotations
@@ -418,6 +445,7 @@ void run_worker(const Dispatch& d, std::atomic<uint64_t>& next) {
 // ---- the collective operations (metal_emulator_abi.h) ------------------------------------
 
 Gathered simd_gather(const void* value, size_t size, const char* what, int line) {
+  Untracked untracked;
   Worker& w = *tls_worker;
   Fiber* f = w.current;
   Simdgroup& s = w.simd[f->simd];
@@ -435,6 +463,7 @@ Gathered simd_gather(const void* value, size_t size, const char* what, int line)
 }
 
 void simd_shared(const Gathered& g, void* out, size_t size, SharedCompute compute) {
+  Untracked untracked;
   Worker& w = *tls_worker;
   Simdgroup& s = w.simd[w.current->simd];
   if (size > kSharedBytes) fail("a simd result of %zu bytes is larger than the shared area", size);
@@ -446,6 +475,7 @@ void simd_shared(const Gathered& g, void* out, size_t size, SharedCompute comput
 }
 
 void threadgroup_barrier(const char* what, int line) {
+  Untracked untracked;
   Worker& w = *tls_worker;
   arrive(w, w.barrier, what, line, "barrier");
   release_sync(&w.barrier);
@@ -455,6 +485,7 @@ void threadgroup_barrier(const char* what, int line) {
 }
 
 void* threadgroup_alloc(const char* name, int line, size_t bytes, size_t align) {
+  Untracked untracked;
   Worker& w = *tls_worker;
   for (Allocation& a : w.arena)
     if (a.line == line && strcmp(a.name, name) == 0) return a.data;
