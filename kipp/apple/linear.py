@@ -36,8 +36,10 @@ Kernels (Metal; the artifact's own bytes, kipp.apple.repack's planes; BF16 stays
   Tokens are padded to a multiple of 32 by the wrapper (zero rows), so every output element
   is written: nothing relies on uninitialised memory.
 Dequantization is kipp.quant's arithmetic (d * q exact; affine4 d * q + m, one rounding).
-The kernels are built once per format (module cache) and specialised by template constants
-(M, N, K), which MLX compiles once per value.
+The kernels are built once per format (kipp.apple.metal's cache) and specialised by template
+constants (M, N, K), which MLX compiles once per value. Checked off Apple hardware by running
+their exact source on the Metal emulator (tests/test_metal_kernels.py; what that proves and
+what it cannot: the package docstring).
 """
 
 from __future__ import annotations
