@@ -182,7 +182,7 @@ def _to_numpy(a) -> np.ndarray:
 
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.array(a, copy=False))
+    return np.ascontiguousarray(np.asarray(a))
 
 
 def _storage(dtype) -> np.dtype:
