@@ -261,14 +261,15 @@ def test_decode_attention_kernel_has_no_races(kv_scheme):
 
 
 # ---- planted faults -------------------------------------------------------------------------
-# Each fault is planted in the kernel source (or its dispatch) by monkeypatching, then the check
-# named in `caught_by` must fail. A self-contained list for the project's fault catalogue.
+# Each fault is planted in a kernel's Metal source (or its dispatch) by monkeypatching, then the
+# check named in `caught_by` must fail. FAULT_CATALOGUE (below the tests) lists them all for the
+# project's fault catalogue.
 
 
 @dataclass(frozen=True)
 class MetalFault:
     name: str
-    where: str  # module and attribute holding the text (or dispatch) changed
+    where: str  # kipp.apple module and attribute (with [key] for a dict entry) holding the text
     old: str  # text replaced ...
     new: str  # ... by this
     caught_by: str  # the check that fails, and how
@@ -481,3 +482,33 @@ def test_decode_batch_on_emulated_kernels_equals_isolated(artifacts):
     alone = [mb.eval([s])[0] for s in steps]
     for a, b in zip(together, alone):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _catalogue():
+    """Every planted Metal fault: name, where, how it is planted, what catches it, the test."""
+    rows = [dict(name=f.name, where=f"kipp.apple.{f.where}", how=f"{f.old!r} -> {f.new!r}",
+                 caught_by=f.caught_by, test="test_planted_fault_is_caught")
+            for f, _ in METAL_FAULTS]
+    rows.append(dict(
+        name="missing bounds check on a partial threadgroup",
+        where="kipp.apple.linear.matvec's dispatch",
+        how="grid (32, N, 1) / threadgroup (32, 4, 1) -> whole threadgroups of 3 rows, "
+            "grid rounded up to (32, 3 * ceil(N / 3), 1), N = 128",
+        caught_by="ASan heap-buffer-overflow on w (rows past N)",
+        test="test_planted_dispatch_fault_is_caught"))
+    rows.append(dict(
+        name="matmul second barrier removed (next K step overwrites the tiles being read)",
+        where="kipp.apple.linear.MATMUL_SOURCE",
+        how="the threadgroup_barrier closing the K loop deleted",
+        caught_by="ThreadSanitizer data race on the threadgroup arrays (slow, .ci/run)",
+        test="test_planted_race_is_caught_by_tsan"))
+    return rows
+
+
+FAULT_CATALOGUE = _catalogue()
+
+
+def test_fault_catalogue_names_the_tests_that_plant_them():
+    assert len(FAULT_CATALOGUE) == len(METAL_FAULTS) + 2
+    for row in FAULT_CATALOGUE:
+        assert callable(globals()[row["test"]]) and row["caught_by"], row["name"]
