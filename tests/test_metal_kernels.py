@@ -34,6 +34,7 @@ from kipp.apple import attention, linear, repack  # noqa: E402
 from kipp.apple.backend import MLXBackend  # noqa: E402
 from kipp.artifact import open_artifact  # noqa: E402
 from kipp.backend import EvalItem  # noqa: E402
+from kipp.errors import KippError  # noqa: E402
 from kipp.model import Model  # noqa: E402
 from kipp.reference.backend import ReferenceBackend  # noqa: E402
 
@@ -467,6 +468,16 @@ def test_whole_model_cached_decode_scrambled_and_batched(artifacts):
                                   tolerance=gates.BACKEND_NMSE)]
     print(gates.format_table(results))
     assert all(r.passed for r in results), results
+
+
+def test_a_kernel_runner_means_the_kernel_path(artifacts):
+    """kernel_runner (kipp.apple.metal's hook) puts MLXBackend on the kernel path without
+    Metal; asking for the twins as well is a contradiction, refused."""
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    mb = MLXBackend(artifact, 4, kernel_runner=FAST)
+    assert mb.choice.kernels and mb.ops.runner is FAST and "Metal emulator (fast)" in mb.describe()
+    with pytest.raises(KippError, match="path='twins'"):
+        MLXBackend(artifact, 4, path="twins", kernel_runner=FAST)
 
 
 def test_decode_batch_on_emulated_kernels_equals_isolated(artifacts):
