@@ -43,8 +43,15 @@ def default_workers() -> int:
         raise EmulatorError(f"{WORKERS_ENV}={value!r} is not an integer") from None
 
 
-def _scratch() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _scratch(nbytes: int) -> str | None:
+    """Where the buffers go on their way to the kernel: memory-backed /dev/shm when it has room
+    (containers often give it 64 MiB), else the usual temporary directory."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    room = stat.f_bavail * stat.f_frsize
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) and room > 2 * nbytes + (64 << 20) else None
 
 
 def _evidence(stderr: str) -> str:
@@ -61,7 +68,8 @@ def launch(exe, buffers: list[tuple[np.ndarray, bool]], grid, threadgroup,
         raise KernelFault(f"threadgroup {tuple(threadgroup)} has {threads} threads: Metal allows "
                           f"at most {MAX_THREADS_PER_THREADGROUP}")
     workers = workers or default_workers()
-    with tempfile.TemporaryDirectory(dir=_scratch(), prefix="metal-emulator-") as tmp:
+    nbytes = sum(a.nbytes for a, _ in buffers)
+    with tempfile.TemporaryDirectory(dir=_scratch(nbytes), prefix="metal-emulator-") as tmp:
         args = [str(exe), *map(str, grid), *map(str, threadgroup), str(workers)]
         for i, (array, is_output) in enumerate(buffers):
             path = os.path.join(tmp, f"b{i}")
