@@ -25,6 +25,8 @@ test_metal_kernels.py: empty and partial splits, scrambled tables, GQA groups 2 
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from kipp.apple import metal
@@ -160,7 +162,13 @@ def input_names(kv_scheme: str) -> tuple[str, ...]:
 
 
 def kernel_spec(kv_scheme: str) -> metal.KernelSpec:
-    """What the decode kernel for `kv_scheme` is built from (kipp.apple.metal)."""
+    """What the decode kernel for `kv_scheme` is built from (kipp.apple.metal), cached on the
+    source texts (as linear.kernel_spec)."""
+    return _spec(kv_scheme, DECODE_SOURCE, HEADER, _LOAD_ROW.get(kv_scheme), _READ.get(kv_scheme))
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(kv_scheme: str, *texts) -> metal.KernelSpec:
     header, body = kernel_source(kv_scheme)
     return metal.KernelSpec(f"kipp_decode_attention_{kv_scheme}", _INPUTS[kv_scheme],
                             ("o", "ml"), body, header)

@@ -45,6 +45,7 @@ what it cannot: the package docstring).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -385,9 +386,17 @@ def input_names(fmt: str) -> tuple[str, ...]:
 
 
 def kernel_spec(kind: str, fmt: str) -> metal.KernelSpec:
-    """What the (kind, fmt) kernel is built from (kipp.apple.metal)."""
-    return metal.KernelSpec(f"kipp_{kind}_{fmt}", input_names(fmt), ("y",),
-                            kernel_source(kind, fmt), HEADER)
+    """What the (kind, fmt) kernel is built from (kipp.apple.metal). Cached on the source
+    texts themselves: a decode step asks for hundreds of kernels, and a test that plants a
+    fault in a text gets a new spec."""
+    return _spec(kind, fmt, MATVEC_SOURCE, MATMUL_SOURCE, _BLOCK_LOAD.get(fmt),
+                 _ELEMENT.get(fmt), HEADER)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(kind: str, fmt: str, *texts) -> metal.KernelSpec:
+    source = kernel_source(kind, fmt)
+    return metal.KernelSpec(f"kipp_{kind}_{fmt}", input_names(fmt), ("y",), source, HEADER)
 
 
 def kernel(kind: str, fmt: str, runner=None):

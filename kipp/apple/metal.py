@@ -24,6 +24,13 @@ class KernelSpec:
     source: str
     header: str = ""
 
+    def __post_init__(self):  # hashed once: the kernel path looks specs up on every call
+        object.__setattr__(self, "_hash", hash((self.name, self.input_names, self.output_names,
+                                                self.source, self.header)))
+
+    def __hash__(self):
+        return self._hash
+
 
 def mlx_runner(spec: KernelSpec):
     """The real thing: MLX compiles the source for the Metal device at the first call."""
@@ -41,6 +48,7 @@ def kernel(spec: KernelSpec, runner=None):
     """The kernel object for `spec` from `runner` (None: MLX), built once per process."""
     runner = mlx_runner if runner is None else runner
     key = (runner, spec)
-    if key not in _BUILT:
-        _BUILT[key] = runner(spec)
-    return _BUILT[key]
+    built = _BUILT.get(key)
+    if built is None:
+        built = _BUILT[key] = runner(spec)
+    return built
