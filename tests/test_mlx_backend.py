@@ -5,9 +5,9 @@ the reference on the synthetic checkpoints, every weight scheme, with DESIGN.md'
 identical argmax (up to numerical near-ties, gates.argmax_check) and NMSE <= 1e-4 at every
 prefill and decode position; a scrambled block table bitwise equal to the identity table;
 batched mixed-length eval equal to isolated within the bound. The Metal kernels' Python-side
-checks and source strings are tested everywhere; running them (kernel vs twin vs reference,
-and the whole model on the kernels) needs Metal and is skipped here: bench/mac_check.sh runs
-this file on a Mac, where those tests execute.
+checks and source strings are tested everywhere; their Metal sources run here on the Metal
+emulator (tests/test_metal_kernels.py). The tests below marked needs_metal run them on the GPU
+and are skipped here: bench/mac_check.sh runs this file on a Mac, where those tests execute.
 """
 
 import re
@@ -639,12 +639,19 @@ def _emulated_decode_attention(kv_scheme):
     return call
 
 
+def _standin_runner(spec):
+    """A kernel runner (kipp.apple.metal) whose kernels are the numpy stand-ins above."""
+    if spec.name.startswith("kipp_decode_attention_"):
+        return _emulated_decode_attention(spec.name.removeprefix("kipp_decode_attention_"))
+    _, kind, fmt = spec.name.split("_", 2)
+    return _emulated_linear(kind, fmt)
+
+
 @pytest.fixture
-def emulated_kernels(monkeypatch):
-    monkeypatch.setattr(select, "choose_path",
-                        lambda requested="auto", metal=None: select.Choice(True, "emulated"))
-    monkeypatch.setattr(linear, "kernel", _emulated_linear)
-    monkeypatch.setattr(attention, "kernel", _emulated_decode_attention)
+def emulated_kernels():
+    """MLXBackend options running the kernel path on the numpy stand-ins (the real Metal
+    sources run on the Metal emulator: tests/test_metal_kernels.py)."""
+    return {"kernel_runner": _standin_runner}
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -652,12 +659,12 @@ def test_kernel_path_glue_with_emulated_kernels(artifacts, emulated_kernels, sch
     """The kernel path end to end (weights as stored, three Q/K/V calls, the FFN and head on
     the kernels, decode rounds through tables and lengths, split-K merge) with numpy standing
     in for Metal: whatever is wrong outside the Metal sources fails here, on any machine."""
-    ref, mb = _backends(artifacts, UNTIED, scheme)
+    ref, mb = _backends(artifacts, UNTIED, scheme, **emulated_kernels)
     assert mb.choice.kernels and "as stored" in mb.describe()
     _gate(ref, mb, prompt_len=40, decode_steps=2, rows=3)
 
 
 def test_kernel_path_glue_with_q8_0_kv(artifacts, emulated_kernels):
-    ref, mb = _backends(artifacts, TINY, "q8_0", kv_scheme="q8_0")
+    ref, mb = _backends(artifacts, TINY, "q8_0", kv_scheme="q8_0", **emulated_kernels)
     assert mb.choice.kernels and "q8_0 KV" in mb.describe()
     _gate(ref, mb, prompt_len=40, decode_steps=2, rows=3)

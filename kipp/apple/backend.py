@@ -55,16 +55,18 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
-                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS):
+                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS,
+                 kernel_runner=None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         if max_round_tokens < 1:
             raise KippError(f"max_round_tokens must be positive, got {max_round_tokens}")
         self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
-        self.choice = select.choose_path(path)
+        self.choice = _choose(path, kernel_runner)
         gpu = mx.default_device() == mx.gpu
         self.device = "gpu" if gpu else "cpu"
-        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)))
+        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)),
+                               kernel_runner)
         self.max_round_tokens = max_round_tokens
         self.kv_scheme = kv_scheme
         start = time.perf_counter()
@@ -140,6 +142,16 @@ class MLXBackend(Backend):
             r.tables = mx.array(tables)
             r.lengths = forward.as_int32([len(v) for _, _, v in spans])
         return r, dests
+
+
+def _choose(path: str, kernel_runner) -> "select.Choice":
+    """select.choose_path, except that an injected kernel runner (kipp.apple.metal: the Metal
+    emulator, a test's failing kernel) means the kernel path, Metal or not."""
+    if kernel_runner is None:
+        return select.choose_path(path)
+    if path == "twins":
+        raise KippError("a kernel runner was given with path='twins'")
+    return select.Choice(True, f"kernels run by {getattr(kernel_runner, 'label', kernel_runner)}")
 
 
 def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:

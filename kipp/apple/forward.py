@@ -31,10 +31,11 @@ class Ops:
 
     kernels: bool
     streams: tuple = (None,)  # twin projections: one shard per stream
+    runner: object = None  # who runs the kernels' Metal source (kipp.apple.metal; None: MLX)
 
     def linear(self, x: mx.array, w: Linear) -> mx.array:
         if self.kernels:
-            return linear.linear_kernel(x, w)
+            return linear.linear_kernel(x, w, self.runner)
         return linear.linear_twin(x, w, self.streams)
 
     def qkv(self, h: mx.array, p: dict) -> tuple[mx.array, mx.array, mx.array]:
@@ -56,7 +57,8 @@ class Ops:
         """q [T, H, 128] of the round -> [T, H * 128]."""
         if self.kernels and r.decode_only:
             planes = k.kernel_planes(layer) + v.kernel_planes(layer)
-            return attention.decode_attention(q, planes, r.tables, r.lengths, k.scheme)
+            return attention.decode_attention(q, planes, r.tables, r.lengths, k.scheme,
+                                              runner=self.runner)
         outs = []
         for row, n, visible in r.pieces:
             keys, values = k.rows(layer, visible), v.rows(layer, visible)
