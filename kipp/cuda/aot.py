@@ -123,17 +123,21 @@ def devices(count: int = 1) -> list:
 
 
 @contextlib.contextmanager
-def gpu_target():
+def gpu_target(mesh=None):
     """Make Pallas lower its kernels for the H200 while the default device is a CPU.
 
     jax >= 0.11 reads the GPU kind from the current abstract mesh's device; older jax reads
-    the default device and tolerates this. Scoped to the lowering only: entered for a whole
-    process it would also steer interpret-mode runs."""
+    the default device and tolerates this. A sharded program's arguments name their own mesh
+    of abstract H200s (`mesh`, a jax.sharding.Mesh), which must be the context's too. Scoped to
+    the lowering only: entered for a whole process it would also steer interpret-mode runs."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-    device = AbstractDevice(device_kind=DEVICE_KIND, num_cores=SM_COUNT, platform="gpu")
-    mesh = AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=device)
-    with use_abstract_mesh(mesh):
+    if mesh is not None:
+        abstract = mesh.abstract_mesh
+    else:
+        device = AbstractDevice(device_kind=DEVICE_KIND, num_cores=SM_COUNT, platform="gpu")
+        abstract = AbstractMesh((1,), ("gpu",), (AxisType.Explicit,), abstract_device=device)
+    with use_abstract_mesh(abstract):
         yield
 
 
@@ -162,7 +166,7 @@ class KernelStats:
     grid: tuple[int, int, int]
     threads: int  # per block
     mma: dict  # tensor-core instructions in the PTX: {"wgmma.bf16": 12, "mma.sync.tf32": 4}
-    fma_f32: int  # scalar float32 FMA instructions in the PTX (CUDA cores)
+    f32_ops: int  # float32 add/mul/fma instructions in the PTX (CUDA cores)
 
     @property
     def spills(self) -> int:
@@ -187,9 +191,13 @@ def compile_for_h200(fn, *args, report: bool = True) -> Build:
     lowering, Triton, LLVM or ptxas raise."""
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     args = jax.tree.map(_placed, args)
+    meshes = {a.sharding.mesh for a in jax.tree.leaves(args)
+              if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)}
+    if len(meshes) > 1:
+        raise ValueError(f"arguments span {len(meshes)} meshes; compile on one")
     with tempfile.TemporaryDirectory(prefix="kipp-aot-") as dump:
         start = time.perf_counter()
-        with gpu_target():
+        with gpu_target(next(iter(meshes), None)):
             lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
         # jax >= 0.11 dumps the PTX only for the emitter stages this names (".*" would also
         # write each Triton pass's IR: tens of MB and seconds per kernel)
@@ -219,7 +227,12 @@ _LAUNCH = re.compile(r"kCustomKernel.*?(\S+) grid: \[(\d+), (\d+), (\d+)\] "
 
 
 def _kernel_stats(dump: Path) -> list[KernelStats]:
-    """Per Pallas (custom) kernel of the dumped build: ptxas -v on its PTX plus its launch."""
+    """Per Pallas kernel of the dumped build: ptxas -v on its PTX plus its launch."""
+    pallas = set()  # XLA's own fusions launch as custom kernels too: keep the Triton calls
+    for path in dump.glob("*after_optimizations.txt"):
+        for line in path.read_text().splitlines():
+            if 'custom_call_target="__gpu$xla.gpu.triton"' in line:
+                pallas.update(re.findall(r'\bname = "([^"]+)"', line))
     launches = {}
     for path in dump.glob("*thunk_sequence*.txt"):
         for m in _LAUNCH.finditer(path.read_text()):
@@ -233,12 +246,13 @@ def _kernel_stats(dump: Path) -> list[KernelStats]:
             continue
         usage = _ptxas_usage(path)
         for name, body in _entries(ptx):
-            if name not in launches:
-                continue  # one of XLA's own fusions
+            if name not in launches or name not in pallas:
+                continue
             grid, threads, shared = launches[name]
             regs, stores, loads, stack = usage[name]
+            f32_ops = len(re.findall(r"\b(?:fma|mul|add)\.rn(?:\.ftz)?\.f32\b", body))
             stats.append(KernelStats(name, regs, stores, loads, stack, shared, grid, threads,
-                                     _mma_counts(body), len(re.findall(r"\bfma\.rn\.f32", body))))
+                                     _mma_counts(body), f32_ops))
     return stats
 
 
