@@ -7,7 +7,15 @@ BACKEND ?= auto
 PROMPT ?= The Qwen3 family of language models
 MAX_TOKENS ?= 32
 
-.PHONY: run test test-slow
+# A second line of JAX: the GPU machine's jax 0.11 needs Python >= 3.12 (this venv runs the
+# kernel and JAX-backend tests there; the default venv has jax 0.10 on Python 3.11).
+PYTHON_NEXT ?= $(shell command -v python3.12 || echo "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12")
+VENV_NEXT ?= .venv312
+JAX_NEXT ?= 0.11.2
+JAX_TESTS ?= tests/test_jax_kernels.py tests/test_jax_backend.py tests/test_jax_sharding.py \
+	tests/test_cuda_compile.py
+
+.PHONY: run test test-slow test-jax-next
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +38,12 @@ test: $(VENV)/.dev
 
 test-slow: $(VENV)/.dev
 	$(VENV)/bin/pytest -m slow
+
+$(VENV_NEXT)/.jax-tests: pyproject.toml
+	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/pip install --quiet --upgrade pip
+	$(VENV_NEXT)/bin/pip install --quiet -e '.[jax-tests]' 'jax==$(JAX_NEXT)'
+	touch $@
+
+test-jax-next: $(VENV_NEXT)/.jax-tests
+	$(VENV_NEXT)/bin/pytest $(JAX_TESTS)

@@ -179,11 +179,17 @@ def test_twin_reads_the_uint16_slab_bitwise_like_bf16():
 
 def _lowers_for_cuda(fn, *shapes):
     """Lower `fn` for CUDA on this machine: Pallas runs its Triton lowering, so a primitive the
-    Triton backend cannot lower fails here, without a GPU (Triton's own compile still needs one)."""
+    Triton backend cannot lower fails here, without a GPU or the CUDA plugin (the whole compile
+    to a cubin is tests/test_cuda_compile.py's). jax >= 0.11 needs the target GPU named by a
+    scoped abstract mesh (kipp.cuda.aot.gpu_target)."""
     from jax import export
 
+    from kipp.cuda.aot import gpu_target
+
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(*shapes)
+    with gpu_target():
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[triton])(*shapes)
     return exported.mlir_module()
 
 
