@@ -11,7 +11,8 @@ blocks (split-K, "flash decoding"), one program per (sequence, KV head, range). 
 runs an online softmax over its blocks and writes an unnormalised partial output with its
 running max and denominator; the wrapper merges the partials exactly as the online softmax
 would. The query heads sharing a KV head form the rows of one tile (padded to 16 for Triton's
-dot), so each KV block is read once per group.
+dot), so each KV block is read once per group. The dots are prefill_attention's
+`attend_block`: BF16 operands on the tensor cores, float32 accumulation and softmax.
 """
 
 from __future__ import annotations

@@ -14,7 +14,12 @@ block's K and V tile through the block table. The group of query heads sharing t
 folded into the query tile (rows = queries x group), so each KV tile is read once per group.
 A q8_0 KV slab (kipp.kvquant) arrives as its int8 and fp16 planes; `kv_tile` dequantizes each
 [32, 128] tile (d * q in float32, exact) right after loading it, so the online softmax is the
-BF16 path's.
+BF16 path's. Both dots (`attend_block`) take BF16 operands on the H200's tensor cores with
+float32 accumulation, as flash attention does: q rounded to BF16 once, K and V as stored (a
+q8_0 tile rounded to BF16 after its exact dequantization), the probabilities rounded to BF16
+for the dot with V; the softmax itself stays float32. About ROWS query rows per program keep
+the float32 accumulator in registers without spills at every registry head count (compiled
+for sm_90a by tests/test_cuda_compile.py).
 """
 
 from __future__ import annotations

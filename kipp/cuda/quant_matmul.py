@@ -11,17 +11,23 @@ release (pallas_call itself is deprecated for it), and none of that can be valid
 GPU; interpret mode checks the same kernel semantics on a CPU for either lowering. When Triton
 is removed, these kernel bodies port to Mosaic GPU's `plgpu.kernel`; until then, if a kernel
 fails to compile, JaxBackend logs a warning and runs the jax.numpy twins (kipp.cuda.backend).
-The tests lower every kernel for CUDA on a CPU (jax.export), which runs Pallas' Triton
-lowering end to end; only Triton's own compile to PTX, and running it, need the GPU.
+The tests compile every kernel for an H200 (sm_90a) on a CPU (kipp.cuda.aot, at every registry
+shape: tests/test_cuda_compile.py, `python -m bench kernels`); only running them needs a GPU.
 
-Dequantization matches kipp.quant bit for bit (d and m are the file's fp16 values, widened
-exactly; q8_0 and scale4 are one exact float32 multiply, affine4 an exact multiply and one
-rounded add). Dots run in IEEE float32 (precision HIGHEST: Triton's default would be TF32).
-One kernel body, two inner products: a tile dot for M > 4 rows, and a multiply-reduce for the
-few rows of a decode round, where Triton's dot (16-row minimum) would pad. The grid is (row
-tiles, column tiles, K splits): when the first two give few programs (a decode matvec), K is
-split so the GPU has enough programs in flight to stream the weights at full bandwidth, and
-the partial sums are added by XLA.
+Two inner products. More than MATVEC_ROWS rows (prefill, batched decode): BF16 tensor-core dots
+with float32 accumulation, x rounded to BF16 once, the weights exact: BF16 as stored, and for
+the quantized formats the stored integers (int8, nibbles, nibbles - 8: exact in BF16) per
+32-weight group, the group's fp16 scale multiplying the dot's float32 result (affine4 adds
+m * sum(x) over the group), i.e. kipp.quant's dequantized values without rounding them. Up to
+MATVEC_ROWS rows (decode): float32 multiply-reduce on the CUDA cores over weights widened exactly
+(q8_0 and scale4 one exact multiply, affine4 an exact multiply and one rounded add, as
+kipp.quant), where a dot would pad to Triton's 16-row minimum and the weight stream is the bound.
+The f32 format (the CPU layout's; never on a GPU) keeps IEEE float32 dots (precision HIGHEST).
+The grid is (row tiles, column tiles, K splits): when the first two give few programs (a decode
+matvec), K is split so the GPU has enough programs in flight to stream the weights at full
+bandwidth, and the partial sums are added by XLA. Tiles keep every registry shape free of
+register spills on the H200 (64 x 64 tiles with 64-wide K steps for dots; a [rows, 32, 128 /
+rows] float32 product tile for matvecs, summed over K once at the end).
 """
 
 from __future__ import annotations
