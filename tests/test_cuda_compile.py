@@ -76,21 +76,24 @@ def _mm_kernel(a_ref, b_ref, o_ref):
     o_ref[...] = jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
 
 
-def _tiled_matmul(block: int, k: int):
-    """a [2 * block, k] @ b [k, 2 * block] with whole-K tiles of `block` rows and columns."""
+def _tiled_matmul(block: int, k: int, grid: int = 2, warps: int = 4, dtype=jnp.float32):
+    """a [grid * block, k] @ b [k, grid * block] with whole-K tiles of `block` rows and
+    columns, on `warps` warps."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
+    size = grid * block
+
     def f(a, b):
         return pl.pallas_call(
-            _mm_kernel, out_shape=jax.ShapeDtypeStruct((2 * block, 2 * block), jnp.float32),
-            grid=(2, 2), in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
-                                   pl.BlockSpec((k, block), lambda i, j: (0, j))],
+            _mm_kernel, out_shape=jax.ShapeDtypeStruct((size, size), jnp.float32),
+            grid=(grid, grid), in_specs=[pl.BlockSpec((block, k), lambda i, j: (i, 0)),
+                                         pl.BlockSpec((k, block), lambda i, j: (0, j))],
             out_specs=pl.BlockSpec((block, block), lambda i, j: (i, j)),
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3))(a, b)
+            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1))(a, b)
 
     S = jax.ShapeDtypeStruct
-    return f, (S((2 * block, k), jnp.float32), S((k, 2 * block), jnp.float32))
+    return f, (S((size, k), dtype), S((k, size), dtype))
 
 
 def test_kernel_over_the_shared_memory_limit_fails():
@@ -102,6 +105,15 @@ def test_kernel_over_the_shared_memory_limit_fails():
     fn, args = _tiled_matmul(64, 2048)
     with pytest.raises(Exception, match="[Ss]hared memory size limit exceeded"):
         aot.compile_for_h200(fn, *args)
+
+
+def test_spilling_kernel_is_reported():
+    """Negative control of the spill check: a 128 x 128 float32 accumulator on one warp (512
+    values per thread) cannot live in 255 registers, and the report must say so."""
+    fn, args = _tiled_matmul(128, 16, grid=1, warps=1, dtype=jnp.bfloat16)
+    [kernel] = aot.compile_for_h200(fn, *args).kernels
+    assert kernel.spill_stores > 0 and kernel.spill_loads > 0 and kernel.stack > 0, kernel
+    assert kernel.mma == {"mma.bf16": kernel.mma["mma.bf16"]}  # BF16 tensor-core dots seen
 
 
 STEP_ROUNDS = {"prefill": dict(tokens=512, seqs=1, queries=512),  # one 512-token chunk
