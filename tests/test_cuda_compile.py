@@ -121,16 +121,18 @@ STEP_ROUNDS = {"prefill": dict(tokens=512, seqs=1, queries=512),  # one 512-toke
 
 
 def _step_params():
+    """Every weight scheme at 0.6B and 4B, each in one round kind (prefill for bf16 and scale4,
+    decode for q8_0 and affine4: each size runs both attention kernels and both dot tilings),
+    plus the q8_0 KV slab in both; every kernel shape alone is test_kernel_compiles_for_h200's."""
     cases = []
     for size in ("0.6B", "4B"):
         for scheme in kernel_shapes.WEIGHT_FORMATS:
-            for kv in ("bf16", "q8_0") if scheme == "q8_0" else ("bf16",):
-                for round_ in STEP_ROUNDS:
-                    default = (size, scheme, kv, round_) == ("0.6B", "q8_0", "bf16", "prefill")
-                    cases.append(pytest.param(size, scheme, kv, round_,
-                                              id=f"{size}-{scheme}-kv_{kv}-{round_}",
-                                              marks=() if default else pytest.mark.slow))
-    return cases
+            round_ = "prefill" if scheme in ("bf16", "scale4_gs32") else "decode"
+            cases.append((size, scheme, "bf16", round_))
+    cases += [("0.6B", "q8_0", "q8_0", "prefill"), ("0.6B", "q8_0", "q8_0", "decode")]
+    default = ("0.6B", "q8_0", "q8_0", "prefill")
+    return [pytest.param(*c, id="-".join(c[:2]) + f"-kv_{c[2]}-{c[3]}",
+                         marks=() if c == default else pytest.mark.slow) for c in cases]
 
 
 @pytest.mark.parametrize("size,scheme,kv_scheme,round_", _step_params())

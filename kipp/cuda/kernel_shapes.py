@@ -51,10 +51,6 @@ class Case:
     def id(self) -> str:
         return f"{self.kernel} {self.variant} {self.shape}"
 
-    @property
-    def checkpoints(self) -> tuple[str, ...]:
-        return tuple(self.where.split(" ", 1)[1].split(","))
-
 
 def hub_checkpoints() -> list[registry.Checkpoint]:
     return [c for c in registry.REGISTRY.values() if not c.is_synthetic]
