@@ -242,8 +242,8 @@ def _kernel_stats(dump: Path) -> list[KernelStats]:
     stats = []
     for path in sorted(dump.glob("*.ptx")):
         ptx = path.read_text()
-        if ".entry" not in ptx:
-            continue
+        if not any(name in pallas for name, _ in _entries(ptx)):
+            continue  # only XLA's own kernels: no ptxas run for them
         usage = _ptxas_usage(path)
         for name, body in _entries(ptx):
             if name not in launches or name not in pallas:
