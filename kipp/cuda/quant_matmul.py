@@ -26,8 +26,9 @@ The f32 format (the CPU layout's; never on a GPU) keeps IEEE float32 dots (preci
 The grid is (row tiles, column tiles, K splits): when the first two give few programs (a decode
 matvec), K is split so the GPU has enough programs in flight to stream the weights at full
 bandwidth, and the partial sums are added by XLA. Tiles keep every registry shape free of
-register spills on the H200 (64 x 64 tiles with 64-wide K steps for dots; a [rows, 32, 128 /
-rows] float32 product tile for matvecs, summed over K once at the end).
+register spills on the H200 (64 x 64 tiles with 64-wide K steps for dots of 64 rows, 16 x 64
+with 128-wide steps for fewer rows; a [rows, 32, 128 / rows] float32 product tile for matvecs,
+summed over K once at the end).
 """
 
 from __future__ import annotations
@@ -187,8 +188,9 @@ def quant_matmul(x: jax.Array, w: Linear, *, interpret: bool = False,
     matvec = m_rows <= MATVEC_ROWS
     bm = pl.next_power_of_2(m_rows) if matvec else (16 if m_rows < 64 else 64)
     bn = _block_n(n, block_n or (32 if matvec else 64))
-    # matvec: the [bm, bn, bk] product tile stays at 4,096 float32 (32 registers per thread)
-    bk = _block_k(k, block_k or (128 // bm if matvec else 64))
+    # matvec: the [bm, bn, bk] product tile stays at 4,096 float32 (32 registers per thread);
+    # 16-row dots: 128-wide K steps (at 64, affine4 spilled 4 bytes at 72 registers on ptxas 12.9)
+    bk = _block_k(k, block_k or (128 // bm if matvec else 128 if bm == 16 else 64))
     padded = pl.cdiv(m_rows, bm) * bm
     splits = _splits(k // bk, (padded // bm) * (n // bn))
     x = jnp.pad(x, ((0, padded - m_rows), (0, 0)))
