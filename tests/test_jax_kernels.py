@@ -60,7 +60,7 @@ def test_matmul_kernel_dequantizes_exactly(scheme):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("rows", [1, 3, 21])  # matvec (<= 4 rows, padded) and dot kernels
+@pytest.mark.parametrize("rows", [1, 3, 21, 70])  # matvec (<= 4 rows), 16- and 64-row dots
 def test_matmul_kernel_vs_twin_vs_numpy(scheme, rows):
     """The dot kernel (more than MATVEC_ROWS rows) rounds x to BF16 for the tensor cores and
     keeps every weight exact, so it must equal bf16(x) @ W (float64) up to float32
