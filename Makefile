@@ -9,7 +9,8 @@ MAX_TOKENS ?= 32
 
 # A second line of JAX: the GPU machine's jax 0.11 needs Python >= 3.12 (this venv runs the
 # kernel and JAX-backend tests there; the default venv has jax 0.10 on Python 3.11).
-PYTHON_NEXT ?= $(shell command -v python3.12 || echo "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12")
+# (pyenv's python3.12 shim refuses while 3.11 is pyenv's global version: take the binary)
+PYTHON_NEXT ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) python3.12)
 VENV_NEXT ?= .venv312
 JAX_NEXT ?= 0.11.2
 JAX_TESTS ?= tests/test_jax_kernels.py tests/test_jax_backend.py tests/test_jax_sharding.py \
