@@ -71,9 +71,11 @@ class Grammar:
 
 def schema_dict(schema: Any, param: str = "json_schema") -> dict:
     """A JSON Schema as a dict, from a dict, a JSON string or a pydantic model class (anything
-    with model_json_schema()); checked against its metaschema (jsonschema)."""
+    with model_json_schema()); checked against its metaschema (jsonschema). A pydantic model's
+    objects are closed (additionalProperties: false unless it says otherwise), as the openai
+    package's parse() does: the model ignores extra keys, so they are only room to wander."""
     if hasattr(schema, "model_json_schema"):
-        schema = schema.model_json_schema()
+        schema = _closed(schema.model_json_schema())
     elif isinstance(schema, (str, bytes)):
         try:
             schema = json.loads(schema)
@@ -87,6 +89,18 @@ def schema_dict(schema: Any, param: str = "json_schema") -> dict:
     schema = dict(schema)
     _check_schema(schema, param)
     return schema
+
+
+def _closed(schema):
+    """The schema with every object that allows any extra key closed to extra keys."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) for key, value in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _check_schema(schema: dict, param: str) -> None:
