@@ -23,6 +23,13 @@ prefills it, publishes its full prompt blocks, and the others adopt them and eva
 rest. Finished and cancelled requests publish their full blocks (the pool is the prefix cache)
 and give their reservation back; a cancellation is applied at the next step boundary and
 touches no other request.
+
+A request with a `grammar` (kipp.grammar) is compiled at submit (a grammar that cannot be
+enforced is a SchedulerError naming its field) and each choice gets its own matcher: the
+sampler picks under its mask, the matcher consumes the emitted token and computes the next mask
+on the grammar worker thread while the next batched eval runs. A choice whose grammar is
+complete finishes ("stop") without evaluating a stop token; speculative drafts are cut where the
+grammar would reject them.
 """
 
 from __future__ import annotations

@@ -230,15 +230,36 @@ def test_schema_table_reference(models, name):
     assert generation.stats.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("name", SCHEMAS)
-def test_schema_table_jax_greedy_and_sampled(jax_model, name):
+def _schema_table(model, name):
     schema = SCHEMAS[name]
     for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5),
                      dict(temperature=0.8, top_p=0.9, presence_penalty=1.0, seed=6)):
-        generation = jax_model.generate(PROMPT, 128, json_schema=schema, stream=True,
-                                        **sampling)
+        generation = model.generate(PROMPT, 128, json_schema=schema, stream=True, **sampling)
         check("".join(generation), schema)
         assert generation.stats.finish_reason == "stop", sampling
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_schema_table_jax_greedy_and_sampled(jax_model, name):
+    _schema_table(jax_model, name)
+
+
+@pytest.fixture(scope="module")
+def mlx_model(artifacts):
+    pytest.importorskip("mlx.core")
+    return load(artifacts(TINY), backend="mlx", kv_tokens=4096, progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_schema_table_mlx_greedy_and_sampled(mlx_model, name):
+    _schema_table(mlx_model, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_schema_table_reference_greedy_and_sampled(models, name):
+    _schema_table(models(TINY), name)
 
 
 def test_regex_and_lark_grammars(jax_model):
