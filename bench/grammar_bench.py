@@ -8,13 +8,19 @@ Each arm submits `streams` requests (n=1, temperature 0.7, its own seed) of a sh
 Scheduler and steps it until all are done, timing every step in which all streams decode (the
 prefill steps are excluded). Arms, interleaved in every round:
 - plain: no grammar;
-- json: the JSON Schema below, the next mask computed on the worker thread while the backend
-  evaluates (kipp.grammar.Matcher.prefetch, the default);
-- json-sync: the same, with the prefetch turned off, so every mask is computed when the sampler
-  asks for it (what the overlap saves).
-The value is seconds per decode step (all streams advance one token); the overhead is the
-median over rounds of each round's json / plain (and json-sync / plain) ratio of the median
-step, with its MAD. Goal (issue 19): json / plain <= 1.05.
+- json-sync: the JSON Schema below, every mask computed when the sampler asks for it;
+- json-ahead: the same, the step's next masks computed in one task on the grammar worker
+  thread while the backend evaluates (Scheduler(masks_ahead=True)).
+The scheduler's default is json-ahead where the backend evaluates off the host CPU and json-sync
+on a CPU backend (kipp.grammar.masks_ahead); the goal applies to the default. The value is
+seconds per decode step (all streams advance one token); the overhead is the median over rounds
+of each round's arm / plain ratio of the median step, with its MAD. Goal (issue 19): <= 1.05.
+
+On a loaded machine two step times differ by more than the grammar costs, so each constrained
+step's grammar work on the engine thread is also accounted directly: the time spent waiting for
+or computing masks, consuming tokens and checking completion (timed around those calls), plus
+the sampler's extra cost of applying a mask (timed apart, below) per stream. `accounted` is
+that time over the plain arm's median step.
 
 The schema forces a long answer (an array of at least 200 objects, each an integer id, a short
 string and an enum), so no constrained stream ends before `--tokens`; every constrained output
@@ -43,7 +49,7 @@ SCHEMA = {
         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
                        "name": {"type": "string", "maxLength": 8},
                        "kind": {"enum": ["alpha", "beta", "gamma"]}}}}}}
-ARMS = ("plain", "json", "json-sync")
+ARMS = ("plain", "json-sync", "json-ahead")
 GOAL = 1.05
 
 
@@ -54,30 +60,51 @@ def run_arm(model, prompt: list[int], streams: int, tokens: int, arm: str, seed:
     from kipp.scheduler import Request, Scheduler, collect
 
     constraint = None if arm == "plain" else grammar.json_schema_grammar(SCHEMA)
-    scheduler = Scheduler(model, max_batch=max(8, streams))
+    scheduler = Scheduler(model, max_batch=max(8, streams), masks_ahead=arm == "json-ahead")
     tickets = [scheduler.submit(Request(prompt, tokens, grammar=constraint, sampling=SamplingParams(
         temperature=0.7, seed=seed + i))) for i in range(streams)]
-    prefetch = grammar.Matcher.prefetch
-    if arm == "json-sync":
-        grammar.Matcher.prefetch = lambda self: None
-    steps = []
+    originals = {name: getattr(grammar.Matcher, name) for name in _TIMED}
+    spent = [0.0]
+    for name, method in originals.items():
+        setattr(grammar.Matcher, name, _timed(method, spent))
+    scheduler_prefetch = sys.modules["kipp.scheduler"].prefetch
+    sys.modules["kipp.scheduler"].prefetch = _timed(scheduler_prefetch, spent)
+    steps, grammar_s = [], []
     try:
         while True:
             decoding = all(c.state == "decode" for r in scheduler._running for c in r.choices) \
                 and len(scheduler._running) == streams
+            spent[0] = 0.0
             start = time.perf_counter()
             if not scheduler.step():
                 break
             if decoding:
                 steps.append(time.perf_counter() - start)
+                grammar_s.append(spent[0])
     finally:
-        grammar.Matcher.prefetch = prefetch
+        for name, method in originals.items():
+            setattr(grammar.Matcher, name, method)
+        sys.modules["kipp.scheduler"].prefetch = scheduler_prefetch
     outputs = [collect(t) for t in tickets]
     generated = [len(out[0][0]) for out in outputs]
     if constraint is not None:
         _check_grammar(model, constraint, [out[0][0] for out in outputs])
     return {"steps": len(steps), "step_s": stats.median(steps), "mean_step_s": float(
-        np.mean(steps)), "generated": generated, "reasons": [out[2][0] for out in outputs]}
+        np.mean(steps)), "grammar_s": stats.median(grammar_s), "generated": generated,
+        "reasons": [out[2][0] for out in outputs]}
+
+
+_TIMED = ("allowed", "consume", "valid_prefix")
+
+
+def _timed(function, spent: list):
+    def wrapper(*args):
+        start = time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            spent[0] += time.perf_counter() - start
+    return wrapper
 
 
 def _check_grammar(model, constraint, outputs: list[list[int]]) -> None:
@@ -131,18 +158,27 @@ def measure(model, prompt, streams_list, tokens, warmup, runs) -> tuple[dict, li
     return results, order
 
 
-def summarize(results: dict, streams_list, warmup: int) -> dict:
+def summarize(results: dict, streams_list, warmup: int, parts: dict,
+              masks_ahead: bool) -> dict:
     out = {}
+    mask_apply_s = 1e-6 * (parts["masked_sample_us"]["median"] - parts["sample_us"]["median"])
     for streams in streams_list:
         plain = [run["step_s"] for run in results[streams, "plain"][warmup:]]
         row = {"plain_step_ms": stats.summarize([1000 * v for v in plain])}
         for arm in ARMS[1:]:
-            mine = [run["step_s"] for run in results[streams, arm][warmup:]]
+            runs = results[streams, arm][warmup:]
+            mine = [run["step_s"] for run in runs]
             ratios = [m / p for m, p in zip(mine, plain)]
+            accounted = [1 + (run["grammar_s"] + streams * mask_apply_s) / p
+                         for run, p in zip(runs, plain)]
             row[arm] = {"step_ms": stats.summarize([1000 * v for v in mine]),
-                        "ratio": stats.summarize(ratios), "ratios": ratios}
+                        "ratio": stats.summarize(ratios), "ratios": ratios,
+                        "grammar_ms_per_step": stats.summarize(
+                            [1000 * run["grammar_s"] for run in runs]),
+                        "accounted": stats.summarize(accounted)}
+        row["default"] = "json-ahead" if masks_ahead else "json-sync"
         row["goal"] = GOAL
-        row["goal_met"] = row["json"]["ratio"]["median"] <= GOAL
+        row["goal_met"] = row[row["default"]]["ratio"]["median"] <= GOAL
         out[f"x{streams}"] = row
     return out
 
@@ -180,7 +216,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     results, order = measure(model, prompt, streams_list, args.tokens, args.warmup, args.runs)
     parts = pieces(model, prompt)
-    summary = summarize(results, streams_list, args.warmup)
+    from kipp.grammar import masks_ahead
+
+    summary = summarize(results, streams_list, args.warmup, parts, masks_ahead(model.backend))
     command = "python -m bench.grammar_bench " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     record = records.new(
@@ -196,10 +234,11 @@ def main(argv=None) -> int:
         overhead=summary, pieces=parts)
     path = records.write(record, args.results)
     for key, row in summary.items():
-        print(f"{key}: plain {row['plain_step_ms']['median']:.1f} ms/step; json "
-              f"{row['json']['ratio']['median']:.3f}x (MAD {row['json']['ratio']['mad']:.3f}); "
-              f"json-sync {row['json-sync']['ratio']['median']:.3f}x; goal <= {GOAL}: "
-              f"{'met' if row['goal_met'] else 'NOT met'}")
+        arms = "; ".join(
+            f"{arm} {row[arm]['ratio']['median']:.3f}x (MAD {row[arm]['ratio']['mad']:.3f}, "
+            f"accounted {row[arm]['accounted']['median']:.4f}x)" for arm in ARMS[1:])
+        print(f"{key}: plain {row['plain_step_ms']['median']:.1f} ms/step; {arms}; default "
+              f"{row['default']}: goal <= {GOAL} {'met' if row['goal_met'] else 'NOT met'}")
     print(f"mask {parts['mask_us']['median']:.0f} us, sample {parts['sample_us']['median']:.0f}"
           f" us, masked sample {parts['masked_sample_us']['median']:.0f} us")
     print(path)

@@ -3,7 +3,7 @@
     grammar = json_schema_grammar({"type": "object", "properties": {...}})   # or a pydantic model
     matcher = Matcher(grammar_tokenizer(model.tokenizer, model.entry.stop_token_ids), grammar)
     token = sampler.sample(logits, history, allowed=matcher.allowed())
-    matcher.consume(token)        # then matcher.prefetch(): the next mask, on a worker thread
+    matcher.consume(token)        # then prefetch([matcher]): the next mask, on a worker thread
 
 The grammar engine is llguidance (what llama.cpp, vLLM and SGLang use; a Rust library with
 numpy bitmasks and no torch dependency). It compiles JSON Schema, regular expressions and
@@ -11,8 +11,10 @@ Lark grammars (with JSON Schema embedded as `%json {...}`, which is how the tool
 is built) against the tokenizer's token trie, and each step it answers which of the 151,936
 ids may come next. Kipp applies that mask in the sampler, on the host, after logit bias and
 penalties (kipp.sampling), so batching, n > 1, prefix reuse, logprobs (of the raw logits) and
-penalties work unchanged on every backend. The mask computation drops the GIL, so the mask for
-the next step is computed on a worker thread while the backend evaluates the current one.
+penalties work unchanged on every backend. The mask computation drops the GIL, so where the
+backend evaluates off the host CPU (`masks_ahead`: a GPU, Metal) the masks for the next step
+are computed on a worker thread, in one task per step, while the backend evaluates; on a CPU
+backend they are computed when the sampler asks (the eval already uses every core).
 
 JSON whitespace is bounded: at most one space between JSON tokens (`JSON_WHITESPACE`), which
 admits both compact JSON and Python's json.dumps style (the style Qwen3's tool calls are
@@ -341,13 +343,38 @@ def _mask_worker() -> ThreadPoolExecutor:
     return _worker
 
 
+def masks_ahead(backend) -> bool:
+    """Whether to compute the next masks while `backend` evaluates: yes where its eval runs off
+    the host CPU (a GPU through JAX, Metal through MLX). A CPU backend's eval already keeps every
+    core busy, so a mask computed beside it only slows both; there the mask is computed when the
+    sampler asks for it (bench/grammar_bench.py measures both ways)."""
+    mesh = getattr(backend, "mesh", None)
+    device = mesh.devices.flat[0] if mesh is not None else getattr(backend, "device", None)
+    return getattr(device, "platform", device) in ("gpu", "cuda", "rocm", "tpu")
+
+
+def prefetch(matchers: Sequence["Matcher"]) -> None:
+    """Start computing the next mask of each matcher, all in one worker task (one hand-off of
+    the GIL per step, however many sequences are constrained)."""
+    todo = [m for m in matchers if m._future is None and not m._fresh]
+    if todo:
+        future = _mask_worker().submit(_compute_all, todo)
+        for m in todo:
+            m._future = future
+
+
+def _compute_all(matchers: Sequence["Matcher"]) -> None:
+    for m in matchers:
+        m._compute_bits()
+
+
 class Matcher:
     """The grammar state of one sequence: which ids may come next, and the ids so far.
 
     Only emitted tokens are consumed, so speculation needs no rollback: a draft is checked
     with `valid_prefix` and every verified row is sampled under the mask of its own position.
     Not thread-safe, except that `prefetch` hands the matcher to the mask worker until the
-    next `allowed` (or `wait`) takes it back.
+    next call takes it back (every method waits for it first).
     """
 
     def __init__(self, tokenizer, grammar: Grammar, *, _matcher=None):
@@ -359,7 +386,8 @@ class Matcher:
         if self._matcher.is_error():
             raise GrammarError(f"{grammar.param}: {self._matcher.get_error()}", grammar.param)
         self.vocab_size = tokenizer.vocab_size
-        self._bits = np.zeros((1, -(-self.vocab_size // 32)), dtype=np.int32)
+        self._bits = np.zeros(-(-self.vocab_size // 32), dtype=np.int32)
+        self._fresh = False  # _bits hold the mask of the current state
         self._allowed: np.ndarray | None = None
         self._future: Future | None = None
 
@@ -372,7 +400,11 @@ class Matcher:
         """Bool mask [vocab]: the ids the grammar admits next (stop ids once it is complete)."""
         self.wait()
         if self._allowed is None:
-            self._allowed = self._compute()
+            if not self._fresh:
+                self._compute_bits()
+            bits = np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size,
+                                 bitorder="little")
+            self._allowed = bits.view(np.bool_)
         if not self._allowed.any():
             raise GrammarError(f"{self.grammar.param}: the grammar admits no token here: "
                                f"{self._matcher.get_error() or 'dead end'}", self.grammar.param)
@@ -380,19 +412,16 @@ class Matcher:
 
     def prefetch(self) -> None:
         """Start computing the next mask on the worker thread (after `consume`)."""
-        if self._future is None and self._allowed is None:
-            self._future = _mask_worker().submit(self._compute)
+        prefetch([self])
 
     def wait(self) -> None:
         if self._future is not None:
             future, self._future = self._future, None
-            self._allowed = future.result()
+            future.result()
 
-    def _compute(self) -> np.ndarray:
+    def _compute_bits(self) -> None:
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), count=self.vocab_size,
-                             bitorder="little")
-        return bits.view(np.bool_)
+        self._fresh = True
 
     def consume(self, token: int) -> None:
         """Advance past an emitted token (one the mask allowed)."""
@@ -400,7 +429,7 @@ class Matcher:
         if not self._matcher.consume_token(int(token)):
             raise GrammarError(f"{self.grammar.param}: token {token} breaks the grammar: "
                                f"{self._matcher.get_error()}", self.grammar.param)
-        self._allowed = None
+        self._fresh, self._allowed = False, None
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a draft) the grammar would accept from here."""

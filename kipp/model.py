@@ -361,10 +361,11 @@ class Generation:
         self.sampler = Sampler(params)
         self.matcher = None
         if grammar is not None:
-            from kipp.grammar import Matcher, grammar_tokenizer
+            from kipp.grammar import Matcher, grammar_tokenizer, masks_ahead
 
             self.matcher = Matcher(grammar_tokenizer(model.tokenizer,
                                                      model.entry.stop_token_ids), grammar)
+            self._masks_ahead = masks_ahead(model.backend)
         self._grammar_done = False
         self.speculative = SpecConfig() if speculative is True else speculative or None
         self.stats = GenerationStats(prompt_tokens=len(prompt),
@@ -436,7 +437,7 @@ class Generation:
         if token not in self.model.entry.stop_token_ids:
             matcher.consume(token)
             self._grammar_done = matcher.complete
-            if not self._grammar_done:
+            if not self._grammar_done and self._masks_ahead:
                 matcher.prefetch()  # the next mask, while the backend evaluates this token
         return token
 

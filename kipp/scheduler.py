@@ -26,8 +26,9 @@ touches no other request.
 
 A request with a `grammar` (kipp.grammar) is compiled at submit (a grammar that cannot be
 enforced is a SchedulerError naming its field) and each choice gets its own matcher: the
-sampler picks under its mask, the matcher consumes the emitted token and computes the next mask
-on the grammar worker thread while the next batched eval runs. A choice whose grammar is
+sampler picks under its mask and the matcher consumes the emitted token; where the backend
+evaluates off the host CPU (kipp.grammar.masks_ahead) the next masks of the whole batch are
+computed on the grammar worker thread while the next batched eval runs. A choice whose grammar is
 complete finishes ("stop") without evaluating a stop token; speculative drafts are cut where the
 grammar would reject them.
 """
@@ -46,7 +47,8 @@ import numpy as np
 
 from kipp.blocks import PoolExhausted, blocks_needed
 from kipp.errors import KippError
-from kipp.grammar import Grammar, GrammarError, Matcher, grammar_tokenizer
+from kipp.grammar import (Grammar, GrammarError, Matcher, grammar_tokenizer, masks_ahead,
+                          prefetch)
 from kipp.model import StopStrings
 from kipp.sampling import Sampler, SamplingParams, logprobs
 from kipp.session import Session
@@ -241,12 +243,16 @@ class Scheduler:
     """The engine loop over one Model. Only the engine thread touches the model."""
 
     def __init__(self, model, max_batch: int = MAX_CHOICES, max_queue: int = 64,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative: bool = False):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative: bool = False,
+                 masks_ahead: bool | None = None):
         if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
             raise SchedulerError("max_batch, max_queue and prefill_chunk must be positive")
         self.model = model
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.speculative = speculative  # greedy requests verify prompt-lookup drafts
+        # Grammar masks for the next step computed during its eval (None: where it pays).
+        self.masks_ahead = _masks_ahead(model) if masks_ahead is None else masks_ahead
+        self._prefetch: list[Matcher] = []
         self._fifo: deque[Ticket] = deque()
         self._running: list[_Run] = []
         self._cv = threading.Condition()
@@ -400,6 +406,9 @@ class Scheduler:
                     self._advance(choice, logits[0])
             except GrammarError as e:  # a grammar that dead-ends: fail only its request
                 self._fail_run(choice.run, f"constrained decoding failed: {e}")
+        if self._prefetch:  # the next masks, while the next eval runs
+            prefetch(self._prefetch)
+            self._prefetch = []
         for run in [r for r in self._running if not r.live]:
             self._running.remove(run)
             self._finish(run)
@@ -549,7 +558,8 @@ class Scheduler:
         if choice.matcher is not None:
             if choice.matcher.complete:  # only a stop token may follow: no need to evaluate it
                 return self._close_choice(choice, "stop")
-            choice.matcher.prefetch()  # the next mask, while the backend evaluates this token
+            if self.masks_ahead:
+                self._prefetch.append(choice.matcher)
 
     def _emit(self, choice: _Choice, text: str) -> None:
         choice.run.ticket._put(Delta(choice.index, text, tuple(choice.held),
@@ -595,6 +605,10 @@ class Scheduler:
         if isinstance(event, Failed) and not event.cancelled:
             self.counters["failed"] += 1
         run.ticket._put(event)
+
+
+def _masks_ahead(model) -> bool:
+    return masks_ahead(getattr(model, "backend", None))
 
 
 def collect(ticket: Ticket) -> tuple[list[list[int]], list[str], list[str | None], Event]:

@@ -222,14 +222,6 @@ def test_unconstrained_output_is_not_json(models):
         json.loads(text)
 
 
-@pytest.mark.parametrize("name", SCHEMAS)
-def test_schema_table_reference(models, name):
-    model, schema = models(TINY), SCHEMAS[name]
-    generation = model.generate(PROMPT, 96, temperature=0, json_schema=schema, stream=True)
-    check("".join(generation), schema)
-    assert generation.stats.finish_reason == "stop"
-
-
 def _schema_table(model, name):
     schema = SCHEMAS[name]
     for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5),
@@ -341,7 +333,7 @@ def test_scheduler_choices_each_follow_the_grammar(jax_model):
     prompt = tuple(jax_model.tokenizer.encode(PROMPT * 10))  # spans whole 32-token blocks
     assert len(prompt) > 32
     grammar = g.json_schema_grammar(schema)
-    scheduler = Scheduler(jax_model, max_batch=8)
+    scheduler = Scheduler(jax_model, max_batch=8, masks_ahead=True)  # the accelerator path
     first = scheduler.submit(Request(prompt, 64, n=3, grammar=grammar, logprobs=2,
                                      sampling=SamplingParams(temperature=1.2, seed=9,
                                                              frequency_penalty=0.5)))
@@ -379,6 +371,26 @@ def test_speculative_scheduler_matches_plain(jax_model):
     assert outputs[0] == outputs[1]
     check(outputs[0][1][0], schema)
     assert drafted > 0
+
+
+def test_masks_ahead_only_where_the_backend_leaves_the_host_free(jax_model, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    assert g.masks_ahead(NS(device=NS(platform="gpu")))  # JAX on a GPU
+    assert g.masks_ahead(NS(device="gpu"))  # MLX on Metal
+    assert not g.masks_ahead(NS(device=NS(platform="cpu")))
+    assert not g.masks_ahead(NS(device="cpu")) and not g.masks_ahead(object())  # reference
+    assert not Scheduler(jax_model).masks_ahead  # jax on this CPU
+    # Generation with the masks computed ahead emits the same tokens as computed on demand
+    schema = SCHEMAS["strings with patterns and maxLength"]
+    plain = jax_model.generate(PROMPT, 64, temperature=0.9, seed=4, json_schema=schema,
+                               stream=True)
+    text = "".join(plain)
+    monkeypatch.setattr(g, "masks_ahead", lambda backend: True)
+    ahead = jax_model.generate(PROMPT, 64, temperature=0.9, seed=4, json_schema=schema,
+                               stream=True)
+    assert "".join(ahead) == text and ahead._masks_ahead
+    check(text, schema)
 
 
 def test_a_grammar_that_cannot_compile_is_refused_at_submit(jax_model):

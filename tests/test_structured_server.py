@@ -71,18 +71,16 @@ def schema_format(name, schema):
 def test_schema_table_through_the_openai_client(server, name):
     client, schema = server.client(), SCHEMAS[name]
     fmt = schema_format(name, schema)
-    greedy = client.chat.completions.create(model=TINY, messages=[USER], response_format=fmt,
-                                            max_tokens=128, temperature=0)
     sampled = client.chat.completions.create(model=TINY, messages=[USER], response_format=fmt,
                                              max_tokens=128, temperature=1.0, seed=11, n=3,
                                              presence_penalty=0.5)
-    streamed = list(client.chat.completions.create(
-        model=TINY, messages=[USER], response_format=fmt, max_tokens=128, temperature=0.8,
-        seed=12, stream=True))
-    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    greedy = list(client.chat.completions.create(  # streamed
+        model=TINY, messages=[USER], response_format=fmt, max_tokens=128, temperature=0,
+        stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in greedy if c.choices)
     jsonschema.validate(json.loads(text), schema)
-    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "stop"
-    for choice in greedy.choices + sampled.choices:
+    assert [c.choices[0].finish_reason for c in greedy if c.choices][-1] == "stop"
+    for choice in sampled.choices:
         jsonschema.validate(json.loads(choice.message.content), schema)
         assert choice.finish_reason == "stop"
     completion = client.completions.create(model=TINY, prompt="Record:", max_tokens=128,
