@@ -202,8 +202,9 @@ def test_langchain_structured_output_and_bind_tools(server):
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(model=TINY, base_url=server.url + "/v1", api_key="unused",
                                       temperature=0.7, seed=8, max_tokens=96, max_retries=0)
-    reading = llm.with_structured_output(Reading).invoke("Weather in Oslo?")
-    assert isinstance(reading, Reading)
+    for method in ("json_schema", "function_calling"):  # response_format; a named tool call
+        reading = llm.with_structured_output(Reading, method=method).invoke("Weather in Oslo?")
+        assert isinstance(reading, Reading), method
     schema = {**SCHEMAS["enums"], "title": "pick"}  # LangChain names the format by its title
     raw = llm.with_structured_output(schema, method="json_schema").invoke("Pick one")
     jsonschema.validate(raw, schema)

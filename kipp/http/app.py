@@ -4,7 +4,9 @@ A handler parses the body into a Call (kipp.http.schema), submits its Request to
 and turns the ticket's events into a JSON response or a server-sent event stream. Handlers never
 touch the model: the tokenizer (pure) is the one model attribute they read, for prompts and for
 the text of logprob tokens. A streaming client that goes away cancels its own request: the WSGI
-server closes the response iterator, whose `finally` cancels the ticket.
+server closes the response iterator, whose `finally` cancels the ticket. When a chat request
+offers tools, each choice's text goes through kipp.chat.ToolCallStream: content deltas as they
+come, a `delta.tool_calls` chunk per call once its <tool_call> block closes.
 """
 
 from __future__ import annotations
