@@ -23,6 +23,14 @@ prefills it, publishes its full prompt blocks, and the others adopt them and eva
 rest. Finished and cancelled requests publish their full blocks (the pool is the prefix cache)
 and give their reservation back; a cancellation is applied at the next step boundary and
 touches no other request.
+
+A request with a `grammar` (kipp.grammar) is compiled at submit (a grammar that cannot be
+enforced is a SchedulerError naming its field) and each choice gets its own matcher: the
+sampler picks under its mask and the matcher consumes the emitted token; where the backend
+evaluates off the host CPU (kipp.grammar.masks_ahead) the next masks of the whole batch are
+computed on the grammar worker thread while the next batched eval runs. A choice whose grammar is
+complete finishes ("stop") without evaluating a stop token; speculative drafts are cut where the
+grammar would reject them.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ import numpy as np
 
 from kipp.blocks import PoolExhausted, blocks_needed
 from kipp.errors import KippError
+from kipp.grammar import (Grammar, GrammarError, Matcher, grammar_tokenizer, masks_ahead,
+                          prefetch)
 from kipp.model import StopStrings
 from kipp.sampling import Sampler, SamplingParams, logprobs
 from kipp.session import Session
@@ -73,6 +83,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob + top k
+    grammar: Grammar | None = None  # constrained decoding (kipp.grammar): a mask per choice
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -136,6 +147,7 @@ class Ticket:
         self.ended_at: float | None = None
         self._events: queue.Queue = queue.Queue()
         self._scheduler: Scheduler | None = None
+        self.matcher: Matcher | None = None  # the compiled grammar, copied per choice at start
 
     def cancel(self) -> None:
         """Stop the request at the next step boundary; its blocks go back to the pool."""
@@ -179,6 +191,7 @@ class _Choice:
             from kipp.spec import AdaptiveGate, PromptLookupDrafter
 
             self.drafter, self.gate = PromptLookupDrafter(), AdaptiveGate()
+        self.matcher: Matcher | None = None  # the grammar's state, for constrained requests
         self.draft: list[int] = []
         self.generated: list[int] = []
         self.held: list[int] = []  # tokens whose text the stop check still holds back
@@ -197,6 +210,8 @@ class _Choice:
             budget = min(self.gate.budget(), room)
             if budget > 0:
                 self.draft = self.drafter.draft(self.session.tokens + [self.pending], budget)
+            if self.draft and self.matcher is not None:  # never verify what the grammar bars
+                self.draft = self.draft[:self.matcher.valid_prefix(self.draft)]
         return [self.pending] + self.draft
 
 
@@ -228,12 +243,16 @@ class Scheduler:
     """The engine loop over one Model. Only the engine thread touches the model."""
 
     def __init__(self, model, max_batch: int = MAX_CHOICES, max_queue: int = 64,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative: bool = False):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative: bool = False,
+                 masks_ahead: bool | None = None):
         if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
             raise SchedulerError("max_batch, max_queue and prefill_chunk must be positive")
         self.model = model
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.speculative = speculative  # greedy requests verify prompt-lookup drafts
+        # Grammar masks for the next step computed during its eval (None: where it pays).
+        self.masks_ahead = _masks_ahead(model) if masks_ahead is None else masks_ahead
+        self._prefetch: list[Matcher] = []
         self._fifo: deque[Ticket] = deque()
         self._running: list[_Run] = []
         self._cv = threading.Condition()
@@ -250,6 +269,7 @@ class Scheduler:
         """Queue a request; raises SchedulerError if it can never run, QueueFull if the FIFO is
         at its limit."""
         self.validate(request)
+        matcher = self._matcher(request)
         with self._cv:
             if self._stopping:
                 raise SchedulerError("the scheduler is shutting down")
@@ -257,6 +277,7 @@ class Scheduler:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             ticket = Ticket(request, next(self._ids))
             ticket._scheduler = self
+            ticket.matcher = matcher
             self._fifo.append(ticket)
             self.counters["requests"] += 1
             self._cv.notify()
@@ -284,6 +305,18 @@ class Scheduler:
         if worst > model.pool.num_blocks:
             raise SchedulerError(f"the request needs up to {worst} KV blocks, the pool has "
                                  f"{model.pool.num_blocks}")
+
+    def _matcher(self, request: Request) -> Matcher | None:
+        """The request's grammar compiled for this model's tokenizer (in the caller's thread,
+        so a grammar that cannot be enforced is a SchedulerError at submit)."""
+        if request.grammar is None:
+            return None
+        model = self.model
+        try:
+            return Matcher(grammar_tokenizer(model.tokenizer, model.entry.stop_token_ids),
+                           request.grammar)
+        except GrammarError as e:
+            raise SchedulerError(str(e), param=e.param) from None
 
     def start(self) -> "Scheduler":
         """Run the engine loop on its own thread."""
@@ -364,14 +397,29 @@ class Scheduler:
             return True
         self.counters["steps"] += 1
         for (choice, _), logits in zip(batch, results):
-            if choice.draft:
-                self._verify(choice, logits)
-            else:
-                self._advance(choice, logits[0])
+            if choice.state == "done":  # its request failed earlier in this loop
+                continue
+            try:
+                if choice.draft:
+                    self._verify(choice, logits)
+                else:
+                    self._advance(choice, logits[0])
+            except GrammarError as e:  # a grammar that dead-ends: fail only its request
+                self._fail_run(choice.run, f"constrained decoding failed: {e}")
+        if self._prefetch:  # the next masks, while the next eval runs
+            prefetch(self._prefetch)
+            self._prefetch = []
         for run in [r for r in self._running if not r.live]:
             self._running.remove(run)
             self._finish(run)
         return True
+
+    def _fail_run(self, run: _Run, message: str) -> None:
+        if run in self._running:
+            self._running.remove(run)
+        for choice in run.choices:
+            choice.state = "done"
+        self._end(run, Failed(message))
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until nothing is queued or running (tests drive the scheduler without a thread)."""
@@ -429,6 +477,9 @@ class Scheduler:
         run.choices.append(_Choice(run, 0, leader))
         for i in range(1, request.n):
             run.choices.append(_Choice(run, i, model.session(capacity, run.reservation)))
+        if ticket.matcher is not None:  # one grammar state per choice, copied before any token
+            for choice in run.choices:
+                choice.matcher = ticket.matcher if choice.index == 0 else ticket.matcher.copy()
         self.counters["prompt_tokens"] += len(request.prompt)
         self.counters["reused_tokens"] += run.cached_tokens
         return run
@@ -481,10 +532,13 @@ class Scheduler:
     def _sample(self, choice: _Choice, logits: np.ndarray, history=None) -> None:
         run = choice.run
         request = run.ticket.request
+        allowed = None if choice.matcher is None else choice.matcher.allowed()
         token = choice.sampler.sample(logits, choice.session.tokens if history is None
-                                      else history)
+                                      else history, allowed)
         if token in self.model.entry.stop_token_ids:
             return self._close_choice(choice, "stop")
+        if choice.matcher is not None:
+            choice.matcher.consume(token)
         choice.generated.append(token)
         run.completion_tokens += 1
         self.counters["generated_tokens"] += 1
@@ -501,6 +555,11 @@ class Scheduler:
         if len(choice.generated) == request.max_tokens:
             return self._close_choice(choice, "length")
         choice.pending = token
+        if choice.matcher is not None:
+            if choice.matcher.complete:  # only a stop token may follow: no need to evaluate it
+                return self._close_choice(choice, "stop")
+            if self.masks_ahead:
+                self._prefetch.append(choice.matcher)
 
     def _emit(self, choice: _Choice, text: str) -> None:
         choice.run.ticket._put(Delta(choice.index, text, tuple(choice.held),
@@ -546,6 +605,10 @@ class Scheduler:
         if isinstance(event, Failed) and not event.cancelled:
             self.counters["failed"] += 1
         run.ticket._put(event)
+
+
+def _masks_ahead(model) -> bool:
+    return masks_ahead(getattr(model, "backend", None))
 
 
 def collect(ticket: Ticket) -> tuple[list[list[int]], list[str], list[str | None], Event]:

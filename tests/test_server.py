@@ -363,7 +363,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400,
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "nope"}}}}, 400,
      "response_format"),
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
                               "chat_template_kwargs": {"foo": 1}}, 400, "chat_template_kwargs"),

@@ -4,7 +4,9 @@ A handler parses the body into a Call (kipp.http.schema), submits its Request to
 and turns the ticket's events into a JSON response or a server-sent event stream. Handlers never
 touch the model: the tokenizer (pure) is the one model attribute they read, for prompts and for
 the text of logprob tokens. A streaming client that goes away cancels its own request: the WSGI
-server closes the response iterator, whose `finally` cancels the ticket.
+server closes the response iterator, whose `finally` cancels the ticket. When a chat request
+offers tools, each choice's text goes through kipp.chat.ToolCallStream: content deltas as they
+come, a `delta.tool_calls` chunk per call once its <tool_call> block closes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import uuid
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from kipp.chat import ToolCallStream, parse_tool_calls
 from kipp.http.metrics import Metrics
 from kipp.http.schema import APIError, Call, parse_chat, parse_completion
 from kipp.scheduler import Delta, Done, Failed, Finished, QueueFull, SchedulerError, Ticket
@@ -39,6 +42,7 @@ def create_app(model, scheduler, *, model_name: str | None = None,
     created = int(time.time())
     tokenizer = model.tokenizer
     token_text = _TokenText(tokenizer)
+    template = _chat_template(model)
 
     @app.errorhandler(APIError)
     def api_error(e: APIError):
@@ -94,8 +98,11 @@ def create_app(model, scheduler, *, model_name: str | None = None,
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        call = parse_chat(_json_body(), served, tokenizer, model.entry.has_chat_template,
-                          model.entry.context_length, chat_max_tokens)
+        body = _json_body()
+        if isinstance(template, APIError):
+            raise template
+        call = parse_chat(body, served, tokenizer, model.entry.has_chat_template,
+                          model.entry.context_length, chat_max_tokens, template=template)
         return _answer(call)
 
     def _answer(call: Call):
@@ -122,6 +129,19 @@ def create_app(model, scheduler, *, model_name: str | None = None,
         return shape.response(events)
 
     return app
+
+
+def _chat_template(model):
+    """The model's chat template name, an APIError to answer chat requests with when Kipp
+    cannot render its template, or "qwen3" for base checkpoints (parse_chat refuses them)."""
+    from kipp.chat import ChatError
+
+    if not model.entry.has_chat_template:
+        return "qwen3"
+    try:
+        return model.chat_template
+    except ChatError as e:
+        return APIError(400, str(e), "model", "unsupported_chat_template")
 
 
 def _events(ticket: Ticket, scheduler):
@@ -214,6 +234,11 @@ class _Shape:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
         self.text_offsets = [0] * call.request.n
+        # chat with tools: each choice's text split into content and tool calls as it streams
+        self.tool_streams = [ToolCallStream() for _ in range(call.request.n)] if call.tools \
+            else None
+        self.tool_calls = [0] * call.request.n  # calls streamed so far, per choice
+        self.held_logprobs = [[] for _ in range(call.request.n)]
 
     # -- logprobs in each endpoint's native shape
 
@@ -268,12 +293,23 @@ class _Shape:
                       "finish_reason": reasons[i]}
             if self.call.endpoint == "chat":
                 choice["message"] = {"role": "assistant", "content": texts[i]}
+                if self.call.tools:
+                    self._with_tool_calls(choice, texts[i])
             else:
                 choice["text"] = texts[i]
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.served, "choices": choices, "usage": self._usage(done),
                 "timings": done.timings}
+
+    @staticmethod
+    def _with_tool_calls(choice: dict, text: str) -> None:
+        content, calls = parse_tool_calls(text)
+        choice["message"]["content"] = content
+        if calls:
+            choice["message"]["tool_calls"] = [call.openai() for call in calls]
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
 
     # -- stream chunks
 
@@ -294,6 +330,8 @@ class _Shape:
 
     def chunks(self, event):
         chat = self.call.endpoint == "chat"
+        if self.tool_streams is not None and isinstance(event, (Delta, Finished)):
+            return self._tool_chunks(event)
         if isinstance(event, Delta):
             body = {"delta": {"content": event.text}} if chat else {"text": event.text}
             return [self._chunk([{"index": event.choice, **body,
@@ -306,3 +344,32 @@ class _Shape:
         if isinstance(event, Done) and self.call.include_usage:
             return [self._chunk([], usage=self._usage(event), timings=event.timings)]
         return []
+
+    def _tool_chunks(self, event) -> list:
+        """Chat chunks when tools were offered: content deltas, and a `delta.tool_calls`
+        chunk (index, id, name and whole arguments) per call once its block has closed."""
+        i = event.choice
+        stream = self.tool_streams[i]
+        if isinstance(event, Delta):
+            self.held_logprobs[i].extend(event.logprobs)
+            pieces = stream.feed(event.text)
+        else:
+            pieces = stream.flush()
+        chunks = []
+        for kind, value in pieces:
+            if kind == "content":
+                delta = {"content": value}
+            else:
+                delta = {"tool_calls": [value.openai(self.tool_calls[i])]}
+                self.tool_calls[i] += 1
+            logprobs = self._logprobs(i, self.held_logprobs[i])
+            self.held_logprobs[i] = []
+            chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": None}]))
+        if isinstance(event, Finished):
+            reason = event.reason
+            if self.tool_calls[i] and reason == "stop":
+                reason = "tool_calls"
+            chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
+                                        "finish_reason": reason}]))
+        return chunks

@@ -1,10 +1,14 @@
 """OpenAI request bodies -> validated Kipp calls, or an APIError naming the offending field.
 
 Every field a body may carry is listed here, per endpoint. A field that is not listed, or that
-asks for something Kipp does not do (echo, suffix, tools, response formats, best_of != n), is a
-400 naming it: never a silent ignore. Ranges follow OpenAI's (temperature 0..2, penalties
--2..2, logit_bias -100..100, n <= 8, legacy logprobs 0..5, top_logprobs 0..20, at most 4 stop
-strings); top_k, min_p and repetition_penalty are Kipp's (llama.cpp-style) extensions.
+asks for something Kipp does not do (echo, suffix, best_of != n), is a 400 naming it: never a
+silent ignore. `response_format` (both endpoints) and `tools` / `tool_choice` /
+`parallel_tool_calls` (chat) become a kipp.grammar constraint on the request; a schema or tool
+that cannot be enforced is a 400 naming the field.
+
+Ranges follow OpenAI's (temperature 0..2, penalties -2..2, logit_bias -100..100, n <= 8, legacy
+logprobs 0..5, top_logprobs 0..20, at most 4 stop strings); top_k, min_p and
+repetition_penalty are Kipp's (llama.cpp-style) extensions.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "frequency_penalty
                     "presence_penalty", "repetition_penalty", "logit_bias", "seed"}
 _COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user"} | \
     _SAMPLING_FIELDS
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of",
+                                      "response_format"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                "chat_template_kwargs"}
+                                "chat_template_kwargs", "response_format", "tools", "tool_choice",
+                                "parallel_tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: bool  # whether choices carry logprobs (the count is request.logprobs)
+    tools: bool = False  # chat: parse <tool_call> blocks into tool_calls
 
 
 def _is_int(value) -> bool:
@@ -233,13 +240,51 @@ def parse_completion(body: Any, served: str, tokenizer) -> Call:
     request = Request(prompt=tuple(_prompt(body, tokenizer)),
                       max_tokens=_integer(body, "max_tokens", 1, None,
                                           DEFAULT_COMPLETION_TOKENS),
-                      n=n, sampling=_sampling(body), stop=_stop(body), logprobs=logprobs)
+                      n=n, sampling=_sampling(body), stop=_stop(body), logprobs=logprobs,
+                      grammar=_response_format(body))
     return Call("completions", request, stream, include_usage, logprobs is not None)
 
 
+def _response_format(body: dict):
+    from kipp.grammar import GrammarError, response_format_grammar
+
+    try:
+        return response_format_grammar(body.get("response_format"))
+    except GrammarError as e:
+        raise bad(str(e), "response_format") from None
+
+
+def _tools(body: dict):
+    """(grammar or None, whether to parse tool calls, the tools to render) for a chat body."""
+    from kipp.grammar import GrammarError, function_tools, tool_choice_grammar
+
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = _boolean(body, "parallel_tool_calls", True)
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
+        return None, False, None
+    try:
+        functions = function_tools(tools)
+        grammar = tool_choice_grammar(functions, choice, parallel)
+    except GrammarError as e:
+        raise bad(str(e), e.param if e.param in ("tools", "tool_choice") else "tools") from None
+    return grammar, choice != "none", tools
+
+
+def _chat_constraint(body: dict):
+    """(grammar, parse tool calls?, tools to render) of a chat body."""
+    grammar, parse, tools = _tools(body)
+    formatted = _response_format(body)
+    if grammar is not None and formatted is not None:
+        raise bad("'tool_choice' forces a tool call, so 'response_format' cannot also "
+                  "constrain the reply; give one of them", "response_format")
+    return grammar or formatted, parse, tools
+
+
 def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_length: int,
-               default_max_tokens: int) -> Call:
-    from kipp.chat import ChatError, render
+               default_max_tokens: int, template: str = "qwen3") -> Call:
+    from kipp.chat import ChatError, close_reasoning, render
 
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -261,10 +306,14 @@ def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_le
             raise bad(f"unsupported chat template argument '{unknown[0]}'",
                       "chat_template_kwargs")
         thinking = _boolean(kwargs, "enable_thinking", True)
+    grammar, parse_tools, tools = _chat_constraint(body)
     try:
-        text = render(messages, add_generation_prompt=True, enable_thinking=thinking)
+        text = render(messages, add_generation_prompt=True, enable_thinking=thinking,
+                      tools=tools, template=template)
     except ChatError as e:
         raise bad(f"'messages': {e}", "messages") from None
+    if grammar is not None:  # a constrained reply starts after an empty think block
+        text = close_reasoning(text, template)
     prompt = tokenizer.encode(text)
     n = _integer(body, "n", 1, MAX_CHOICES, 1)
     want = _boolean(body, "logprobs", False)
@@ -281,5 +330,5 @@ def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_le
     _user(body)
     request = Request(prompt=tuple(prompt), max_tokens=max_tokens, n=n,
                       sampling=_sampling(body), stop=_stop(body),
-                      logprobs=(top or 0) if want else None)
-    return Call("chat", request, stream, include_usage, want)
+                      logprobs=(top or 0) if want else None, grammar=grammar)
+    return Call("chat", request, stream, include_usage, want, tools=parse_tools)
