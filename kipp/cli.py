@@ -241,7 +241,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="max_tokens of a chat request that gives none (default 1024, cut to "
                    "the request's share of the KV pool: pool / max-batch)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
-                   help="on SIGTERM/SIGINT: seconds running requests get to finish (default 10)")
+                   help="on SIGTERM/SIGINT: seconds until exit; running requests may finish "
+                   "until shortly before it (default 10)")
     p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
     p.set_defaults(run=_serve)

@@ -6,9 +6,10 @@ response goes to the socket at once (its send_bytes is 1), so server-sent events
 buffered. Flask's development server is never used.
 
 SIGTERM and SIGINT both drain (see _Shutdown): the listening socket closes, queued requests
-end at once, running ones get up to `drain_timeout` seconds to finish and are then ended with
-an error event (streams) or a 503 (plain responses), the handlers write their last bytes, and
-`serve` returns (exit status 0). A second signal cuts the wait short.
+end at once, running ones may finish until shortly before `drain_timeout` seconds have passed
+and are then ended with an error event (streams) or a 503 (plain responses), the handlers write
+their last bytes, and `serve` returns (exit status 0) within the drain timeout. A second signal
+cuts the wait short.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ __all__ = ["create_app", "serve"]
 
 DEFAULT_THREADS = 96
 DEFAULT_DRAIN_SECONDS = 10.0
-_FLUSH_SECONDS = 5.0  # after the drain: how long handlers may take to write their last bytes
+# Running requests are ended this long before the drain timeout (a third of it when shorter),
+# so that their clients get the error event and the process is gone by the timeout.
+_END_MARGIN_SECONDS = 1.0
 
 
 def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 8,
@@ -118,9 +121,12 @@ class _Shutdown:
         self._listening = False
 
     def _drain(self) -> None:
-        self.scheduler.drain(self.drain_timeout)
-        deadline = time.monotonic() + _FLUSH_SECONDS
-        while time.monotonic() < deadline and not self.hurry.is_set() and self._busy():
+        deadline = time.monotonic() + self.drain_timeout
+        margin = min(_END_MARGIN_SECONDS, self.drain_timeout / 3)
+        self.scheduler.drain(self.drain_timeout - margin)
+        # The handlers write their last events; stop with a little room for the exit itself.
+        while time.monotonic() < deadline - margin / 2 and not self.hurry.is_set() \
+                and self._busy():
             time.sleep(0.02)
         self.finished.set()
 
