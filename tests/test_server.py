@@ -22,6 +22,7 @@ pytest.importorskip("prometheus_client")
 from kipp.model import load  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
+NO_END = {"151643": -100, "151645": -100}  # no <|endoftext|>, no <|im_end|>: runs to max_tokens
 
 
 class Server:
@@ -453,7 +454,7 @@ def test_a_plain_request_whose_client_left_is_cancelled(server):
     cancelled = before["kipp_requests_cancelled_total"]
     generated = before["kipp_generated_tokens_total"]
     body = json.dumps({"model": TINY, "prompt": "a client that times out", "max_tokens": 3000,
-                       "temperature": 0}).encode()
+                       "temperature": 0, "logit_bias": NO_END}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -504,7 +505,8 @@ def test_a_signal_drains_and_every_client_gets_a_clean_end(artifact, signum):
     s = Server(artifact, "--kv-tokens", "16384", "--max-batch", "8", "--drain-timeout",
                str(drain))  # room for every request at once: they all run when the signal comes
     results, started = {}, []
-    long = {"model": TINY, "prompt": "a long stream", "max_tokens": 3000, "temperature": 0}
+    long = {"model": TINY, "prompt": "a long stream", "max_tokens": 3000, "temperature": 0,
+            "logit_bias": NO_END}
     bodies = {f"stream{i}": {**long, "prompt": f"stream {i}", "stream": True} for i in range(3)}
     bodies["short"] = {**long, "max_tokens": 3, "stream": True}
     bodies["plain"] = long

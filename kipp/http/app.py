@@ -160,11 +160,11 @@ def _events(ticket: Ticket, scheduler, gone=None):
     """The ticket's events; a dead engine thread ends the stream with Failed. `gone`
     (waitress's client_disconnected) is polled while waiting: a client that left cancels."""
     while True:
+        if gone is not None and not ticket.cancelled and gone():
+            ticket.cancel()  # the Failed(cancelled) it brings ends this loop
         try:
             event = ticket.get(timeout=EVENT_POLL_SECONDS)
         except queue.Empty:
-            if gone is not None and gone():
-                ticket.cancel()
             if not scheduler.alive:
                 ticket.ended = True
                 yield Failed("the engine thread stopped")
@@ -195,7 +195,10 @@ def _sse(ticket: Ticket, shape: "_Shape", metrics: Metrics, scheduler, gone=None
 
 
 def _failure(event: Failed) -> APIError:
-    """A request that ended without finishing: 503 when the server is shutting down."""
+    """A request that ended without finishing: 503 when the server is shutting down, 499 (as
+    nginx logs it) when its client went away."""
+    if event.cancelled:
+        return APIError(499, "the client closed the request", code="client_closed_request")
     if event.message == SHUTDOWN_MESSAGE:
         return APIError(503, f"the request was ended: {event.message}", code="shutting_down",
                         type="server_error")
