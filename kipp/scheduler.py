@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time

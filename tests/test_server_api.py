@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("flask")
 pytest.importorskip("prometheus_client")
 
-from kipp.blocks import BLOCK_SIZE, blocks_needed  # noqa: E402
+from kipp.blocks import BLOCK_SIZE  # noqa: E402
 from kipp.http.app import MAX_JSON_DEPTH, create_app  # noqa: E402
 from kipp.http.schema import MAX_STOP_CHARS  # noqa: E402
 from kipp.model import load  # noqa: E402

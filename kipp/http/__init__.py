@@ -99,9 +99,8 @@ class _Shutdown:
             return
         self.requested.set()
         name = signal.Signals(signum).name if signum else "shutdown"
-        print(f"kipp: {name}: draining (up to {self.drain_timeout:g} s)", file=sys.stderr,
-              flush=True)
-        threading.Thread(target=self._drain, name="kipp-drain", daemon=True).start()
+        threading.Thread(target=self._drain, args=(name,), name="kipp-drain",
+                         daemon=True).start()
 
     def run(self) -> None:
         from waitress import wasyncore
@@ -120,8 +119,11 @@ class _Shutdown:
             wasyncore.dispatcher.close(listener)  # this socket only (not waitress's trigger)
         self._listening = False
 
-    def _drain(self) -> None:
+    def _drain(self, reason: str) -> None:
         deadline = time.monotonic() + self.drain_timeout
+        # Printed here, not in the signal handler, which may interrupt another write to stderr.
+        print(f"kipp: {reason}: draining (up to {self.drain_timeout:g} s)", file=sys.stderr,
+              flush=True)
         margin = min(_END_MARGIN_SECONDS, self.drain_timeout / 3)
         self.scheduler.drain(self.drain_timeout - margin)
         # The handlers write their last events; stop with a little room for the exit itself.

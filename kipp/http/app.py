@@ -158,7 +158,8 @@ def _scheduler_error(call: Call, e: SchedulerError) -> APIError:
 
 def _events(ticket: Ticket, scheduler, gone=None):
     """The ticket's events; a dead engine thread ends the stream with Failed. `gone`
-    (waitress's client_disconnected) is polled while waiting: a client that left cancels."""
+    (waitress's client_disconnected) is checked before every wait: a client that left
+    cancels its request within a step or an EVENT_POLL_SECONDS."""
     while True:
         if gone is not None and not ticket.cancelled and gone():
             ticket.cancel()  # the Failed(cancelled) it brings ends this loop

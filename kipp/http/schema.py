@@ -238,11 +238,11 @@ def _prompts(body: dict, tokenizer) -> list[list[int]]:
         return [_text_prompt(prompt, "prompt", tokenizer)]
     if isinstance(prompt, list) and prompt:
         if all(_is_int(t) for t in prompt):
-            return [_token_prompt(prompt, "prompt")]
+            return [_token_prompt(prompt, "prompt", tokenizer)]
         if all(isinstance(p, str) for p in prompt):
             return [_text_prompt(p, f"prompt[{i}]", tokenizer) for i, p in enumerate(prompt)]
         if all(isinstance(p, list) for p in prompt):
-            return [_token_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            return [_token_prompt(p, f"prompt[{i}]", tokenizer) for i, p in enumerate(prompt)]
         odd = _first_odd_item(prompt)
         raise bad(f"'prompt[{odd}]' is a {type(prompt[odd]).__name__}: 'prompt' must be a "
                   f"string, a list of token ids, a list of strings or a list of token-id "
@@ -266,15 +266,15 @@ def _text_prompt(text: str, name: str, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _token_prompt(ids: list, name: str) -> list[int]:
+def _token_prompt(ids: list, name: str, tokenizer) -> list[int]:
     if not ids:
         raise bad(f"'{name}' is empty", "prompt")
     for t in ids:
         if not _is_int(t):
             raise bad(f"'{name}' holds a {type(t).__name__}; token ids are integers", "prompt")
-        if not 0 <= t < VOCAB_SIZE:
-            raise bad(f"'{name}' token id {t} is outside the vocabulary 0..{VOCAB_SIZE - 1}",
-                      "prompt")
+        if not 0 <= t < tokenizer.vocab_size:
+            raise bad(f"'{name}' token id {t} is outside the vocabulary "
+                      f"0..{tokenizer.vocab_size - 1}", "prompt")
     return list(ids)
 
 
@@ -293,7 +293,7 @@ def parse_completion(body: Any, served: str, tokenizer) -> Call:
     logprobs = _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS, None)
     stream, include_usage = _stream(body)
     _user(body)
-    if body.get("max_tokens") == 0 and not echo:
+    if _is_int(body.get("max_tokens")) and body["max_tokens"] == 0 and not echo:
         raise bad("'max_tokens' 0 is only allowed with echo: true (to score the prompt)",
                   "max_tokens")
     max_tokens = _integer(body, "max_tokens", 0, None, DEFAULT_COMPLETION_TOKENS)
