@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kipp import stops
 from kipp.artifact import Artifact, open_artifact
 from kipp.blocks import BLOCK_SIZE, BlockPool
 from kipp.errors import KippError
@@ -452,33 +453,11 @@ class Generation:
         return evaluate
 
 
-class StopStrings:
-    """Holds back streamed text while it could still become a stop string."""
+class StopStrings(stops.StopStrings):
+    """Holds back streamed text while it could still become a stop string (kipp.stops)."""
 
-    def __init__(self, stops: list[str]):
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise GenerationError("stop strings must be non-empty strings")
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Return (text safe to emit now, whether a stop string was reached)."""
-        self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            emit, self.pending, self.stopped = self.pending[:cut], "", True
-            return emit, True
-        hold = max((k for s in self.stops for k in range(1, len(s))
-                    if self.pending.endswith(s[:k])), default=0)
-        emit = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(emit):]
-        return emit, False
-
-    def flush(self, text: str = "") -> str:
-        emit, stopped = self.feed(text)
-        if stopped:
-            return emit
-        emit, self.pending = emit + self.pending, ""
-        return emit
+    def __init__(self, strings):
+        try:
+            super().__init__(strings)
+        except stops.StopError as e:
+            raise GenerationError(str(e)) from None
