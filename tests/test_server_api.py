@@ -387,10 +387,10 @@ def seen_logits(monkeypatch, seed):
     real = kipp.scheduler.Sampler
 
     class Recording(real):
-        def sample(self, logits, recent_tokens=()):
+        def sample(self, logits, recent_tokens=(), allowed=None):
             if self.params.seed == seed:
                 seen.append(np.array(logits, copy=True))
-            return super().sample(logits, recent_tokens)
+            return super().sample(logits, recent_tokens, allowed)
 
     monkeypatch.setattr(kipp.scheduler, "Sampler", Recording)
     return seen
