@@ -11,6 +11,7 @@ and are skipped here: bench/mac_check.sh runs this file on a Mac, where those te
 """
 
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -87,6 +88,29 @@ def test_stream_splits_match_reference(artifacts, monkeypatch, streams):
     assert len(mb.ops.streams) == int(streams)
     assert len(mb.weights.layers[0]["ffn"].down) == int(streams)
     _gate(ref, mb, prompt_len=12, decode_steps=1, rows=4)
+
+
+def test_evaluates_on_threads_other_than_the_loading_one(artifacts, monkeypatch):
+    """A server loads the model on one thread and evaluates on others; MLX binds a stream to
+    the thread that made it, so each thread must get its own (several streams: the twins'
+    split). The second thread's logits equal the loading thread's, bit for bit."""
+    monkeypatch.setenv(select.STREAMS_ENV, "2")
+    _, mb = _backends(artifacts, TINY, "q8_0", path="twins")
+    prompt = _tokens(1, 20)
+    [here] = mb.eval([EvalItem(prompt, 0, (0,), 4)])
+    there, failure = [], []
+
+    def worker():
+        try:
+            there.extend(mb.eval([EvalItem(prompt, 0, (1,), 4)]))
+        except Exception as e:  # reported below, on the test's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not failure, failure
+    assert np.array_equal(here.view(np.uint32), there[0].view(np.uint32))
 
 
 def test_scrambled_block_table_is_bitwise_identity(artifacts):

@@ -4,7 +4,7 @@ the grammar that made it); the round trip (call, tool result, answer) is checked
 transformers' rendering of the same conversation.
 
 The default suite serves the tiny checkpoint on the jax backend (the fastest here); the same
-tests run on the reference backend under the `slow` marker (mlx: see MLX_SERVER_BROKEN).
+tests run on the reference and mlx backends under the `slow` marker.
 """
 
 from __future__ import annotations
@@ -49,14 +49,8 @@ class Reading(pydantic.BaseModel):
     windy: bool
 
 
-# `kipp serve --backend mlx` fails every eval on this Linux build ("There is no Stream(cpu, 1)
-# in current thread": the MLX backend's CPU streams belong to the thread that made them, not
-# the engine thread), constrained or not; the mlx backend's grammar path is covered through the
-# Python API (tests/test_structured.py, slow).
-MLX_SERVER_BROKEN = "kipp serve --backend mlx: MLX streams are per-thread (not a grammar issue)"
 BACKENDS = ["jax", pytest.param("reference", marks=pytest.mark.slow),
-            pytest.param("mlx", marks=[pytest.mark.slow,
-                                       pytest.mark.skip(reason=MLX_SERVER_BROKEN)])]
+            pytest.param("mlx", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -46,8 +46,6 @@ MAX_ROUND_TOKENS = 512  # bounds a round's activations and attention scores
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
 
-_STREAMS: dict[int, tuple] = {}  # CPU streams, shared by every backend in the process
-
 
 class MLXBackend(Backend):
     """Qwen3 on MLX (see module docstring). Not thread-safe: one caller at a time."""
@@ -65,8 +63,7 @@ class MLXBackend(Backend):
         self.choice = _choose(path, kernel_runner)
         gpu = mx.default_device() == mx.gpu
         self.device = "gpu" if gpu else "cpu"
-        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)),
-                               kernel_runner)
+        self.ops = forward.Ops(self.choice.kernels, select.cpu_streams(gpu), kernel_runner)
         self.max_round_tokens = max_round_tokens
         self.kv_scheme = kv_scheme
         start = time.perf_counter()
@@ -187,15 +184,6 @@ def _arrays(w: forward.Weights) -> list[mx.array]:
         for value in params.values():
             out += [value] if isinstance(value, mx.array) else value.arrays()
     return out
-
-
-def _streams(n: int) -> tuple:
-    """n CPU streams (each its own thread), created once per process; (None,) for one."""
-    if n <= 1:
-        return (None,)
-    if n not in _STREAMS:
-        _STREAMS[n] = tuple(mx.new_stream(mx.cpu) for _ in range(n))
-    return _STREAMS[n]
 
 
 def make_backend(artifact: Artifact, num_blocks: int, **options) -> MLXBackend:
