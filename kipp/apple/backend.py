@@ -53,8 +53,6 @@ MAX_ROUND_TOKENS = 512  # bounds a round's activations and attention scores
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
 
-_STREAMS: dict[int, tuple] = {}  # CPU streams, shared by every backend in the process
-
 
 class MLXBackend(Backend):
     """Qwen3 on MLX (see module docstring). Not thread-safe: one caller at a time."""
@@ -63,13 +61,14 @@ class MLXBackend(Backend):
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS,
-                 weight_memory: str = "auto", fallback: bool | None = None):
+                 weight_memory: str = "auto", fallback: bool | None = None,
+                 kernel_runner=None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         if max_round_tokens < 1:
             raise KippError(f"max_round_tokens must be positive, got {max_round_tokens}")
         self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
-        self.choice = select.choose_path(path)
+        self.choice = _choose(path, kernel_runner)
         gpu = mx.default_device() == mx.gpu
         self.device = "gpu" if gpu else "cpu"
         self.max_round_tokens = max_round_tokens
@@ -78,8 +77,9 @@ class MLXBackend(Backend):
         # The kernels read the stored format, and so do the twins that replace them (a GPU)
         self.memory = memory.choose_weight_memory(
             weight_memory, gpu=gpu or self.choice.kernels, float32_bytes=_float32_bytes(artifact))
-        self.kernels = self._probe(fallback) if self.choice.kernels else probe.KernelReport()
-        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)),
+        self.kernels = (self._probe(fallback, kernel_runner) if self.choice.kernels
+                        else probe.KernelReport())
+        self.ops = forward.Ops(self.choice.kernels, select.cpu_streams(gpu), kernel_runner,
                                frozenset(self.kernels.fell_back))
         start = time.perf_counter()
         self.weights = _prepare(artifact, self.choice.kernels, len(self.ops.streams),
@@ -89,12 +89,15 @@ class MLXBackend(Backend):
         self.v_cache = KVSlab(entry.layers, slots, kv_scheme)
         log.info("%s (weights prepared in %.1f s)", self.describe(), time.perf_counter() - start)
 
-    def _probe(self, fallback: bool) -> probe.KernelReport:
-        """Every kernel variant this checkpoint uses, against its twin (kipp.apple.probe)."""
+    def _probe(self, fallback: bool, runner) -> probe.KernelReport:
+        """Every kernel variant this checkpoint uses, against its twin (kipp.apple.probe), run
+        by `runner` (kipp.apple.metal; None: MLX on Metal), which is part of the cache key."""
         from kipp.apple import probe as probes
 
-        checks = probes.probes(self.scheme.name, self.kv_scheme, self.entry.query_heads)
-        report = probe.run_probes(checks, ("mlx", str(mx.default_device())), fallback, log)
+        checks = probes.probes(self.scheme.name, self.kv_scheme, self.entry.query_heads,
+                               runner=runner)
+        key = ("mlx", str(mx.default_device()), runner)
+        report = probe.run_probes(checks, key, fallback, log)
         log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
         return report
 
@@ -167,6 +170,16 @@ class MLXBackend(Backend):
         return r, dests
 
 
+def _choose(path: str, kernel_runner) -> "select.Choice":
+    """select.choose_path, except that an injected kernel runner (kipp.apple.metal: the Metal
+    emulator, a test's failing kernel) means the kernel path, Metal or not."""
+    if kernel_runner is None:
+        return select.choose_path(path)
+    if path == "twins":
+        raise KippError("a kernel runner was given with path='twins'")
+    return select.Choice(True, f"kernels run by {getattr(kernel_runner, 'label', kernel_runner)}")
+
+
 def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
     """Physical slab rows of positions [start, stop) through the item's block table."""
     positions = np.arange(start, stop)
@@ -227,15 +240,6 @@ def _arrays(w: forward.Weights) -> list[mx.array]:
         for value in params.values():
             out += [value] if isinstance(value, mx.array) else value.arrays()
     return out
-
-
-def _streams(n: int) -> tuple:
-    """n CPU streams (each its own thread), created once per process; (None,) for one."""
-    if n <= 1:
-        return (None,)
-    if n not in _STREAMS:
-        _STREAMS[n] = tuple(mx.new_stream(mx.cpu) for _ in range(n))
-    return _STREAMS[n]
 
 
 def make_backend(artifact: Artifact, num_blocks: int, **options) -> MLXBackend:

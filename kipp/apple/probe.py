@@ -11,9 +11,9 @@ the backend would run instead: `linear.planes_twin` on the same planes, and the 
 `attention.attention_twin` on the same slab.
 
 The kernels are reached the way the model reaches them (`linear.matvec` / `linear.matmul` /
-`attention.decode_attention`, which build their kernels through `linear.kernel` and
-`attention.kernel`), so whatever stands in for Metal there (the tests' numpy stand-ins, the
-Metal emulator) is what gets probed.
+`attention.decode_attention` with the backend's kernel runner, kipp.apple.metal), so whatever
+runs the Metal source there (MLX on a Mac; the Metal emulator or a test's failing kernel
+here) is what gets probed.
 
 Bound: NMSE 1e-7. Kernel and twin compute the same float32 products from bitwise the same
 weights; only the summation order (and Metal's fast-math exp) differs, which puts them near
@@ -41,8 +41,10 @@ LENGTHS = (40, 9)  # positions seen by the two probe sequences
 TABLES = ((2, 0), (1, 3))  # their block tables (scrambled)
 
 
-def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0) -> list[Probe]:
-    """The probes of a checkpoint in weight scheme `scheme` with `kv_scheme` KV."""
+def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0,
+           runner=None) -> list[Probe]:
+    """The probes of a checkpoint in weight scheme `scheme` with `kv_scheme` KV, the kernels
+    run by `runner` (kipp.apple.metal: None is MLX on Metal; the Metal emulator; a test's)."""
     rng = np.random.default_rng(seed)
     found = []
     for fmt in dict.fromkeys((scheme, "bf16")):  # the head is BF16 whatever the scheme
@@ -50,9 +52,9 @@ def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0) -> list
         for kind, kernel in (("matvec", linear.matvec), ("matmul", linear.matmul)):
             x = mx.array(rng.standard_normal((TOKENS[kind], COLS)).astype(np.float32))
             found.append(Probe(f"{kind}/{fmt}",
-                               lambda kernel=kernel, x=x, w=w: np.array(kernel(x, w)),
+                               lambda kernel=kernel, x=x, w=w: np.array(kernel(x, w, runner)),
                                lambda x=x, w=w: np.array(linear.planes_twin(x, w)), BOUND))
-    found.append(_attention_probe(kv_scheme, query_heads, rng))
+    found.append(_attention_probe(kv_scheme, query_heads, rng, runner))
     return found
 
 
@@ -66,7 +68,7 @@ def probe_weight(fmt: str, rng) -> linear.Linear:
     return linear.Linear(fmt, ROWS, COLS, planes=planes)
 
 
-def _attention_probe(kv_scheme: str, query_heads: int, rng) -> Probe:
+def _attention_probe(kv_scheme: str, query_heads: int, rng, runner) -> Probe:
     slots = 4 * KV_BLOCK
     k, v = KVSlab(1, slots, kv_scheme), KVSlab(1, slots, kv_scheme)
     everywhere = mx.array(np.arange(slots, dtype=np.int32))
@@ -80,7 +82,8 @@ def _attention_probe(kv_scheme: str, query_heads: int, rng) -> Probe:
 
     def kernel():
         planes = k.kernel_planes(0) + v.kernel_planes(0)
-        return np.array(attention.decode_attention(q, planes, tables, lengths, kv_scheme))
+        return np.array(attention.decode_attention(q, planes, tables, lengths, kv_scheme,
+                                                   runner=runner))
 
     def twin():
         outs = []
