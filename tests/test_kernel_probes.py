@@ -1,16 +1,17 @@
 """Probe at load and fall back per kernel (kipp.probe), with injected kernel failures.
 
-No Metal and no GPU here, so the failures are injected through stand-ins at the point where the
-model reaches its kernels: MLX's `linear.kernel` / `attention.kernel` factories (numpy stand-ins
-from test_mlx_backend; the Metal emulator can stand in the same way), and JAX's Pallas entry
-points in interpret mode. Each test plants two faults, a kernel whose compile raises and one
-that returns wrong numbers, and checks: that kernel alone runs its twin, one warning line names
-it, describe() and kernel_report() name it, generation is correct (greedy decoding gated step
-by step against the reference; on MLX also the generated text), and with fallback off (fallback=False or KIPP_KERNEL_FALLBACK=0) the load
-raises KernelError naming the kernel.
+No Metal and no GPU here, so the failures are injected where the model reaches its kernels:
+on MLX through the backend's kernel runner (kipp.apple.metal), the Metal emulator running the
+kernels' exact sources with faults planted in them; on JAX at the Pallas entry points, in
+interpret mode. Each test plants two faults, a kernel whose compile raises and one that returns
+wrong numbers, and checks: that kernel alone runs its twin, one warning line names it,
+describe() and kernel_report() name it, generation is correct (greedy decoding gated step by
+step against the reference; on MLX also the generated text), and with fallback off
+(fallback=False or KIPP_KERNEL_FALLBACK=0) the load raises KernelError naming the kernel.
 """
 
 import logging
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ COMPILE_ERROR = "Unable to build metal library from source: use of undeclared id
 
 
 @pytest.fixture(autouse=True)
-def fresh_probes():
+def fresh_probes(monkeypatch):
+    monkeypatch.delenv(probe.FALLBACK_ENV, raising=False)  # fallback on unless a test says
     probe.clear_cache()  # every test brings its own kernels
     yield
     probe.clear_cache()
@@ -105,102 +107,104 @@ def test_fallback_switch(monkeypatch):
         probe.fallback_enabled()
 
 
-# ---- MLX: Metal kernels stood in for by numpy --------------------------------------------
+# ---- MLX: the real Metal sources on the Metal emulator, two of them broken --------------
+
+
+COMPILE_FAULT = ("const float dd = kipp_fp16(d[size_t(n) * KB + b]);",
+                 "const float dd = kipp_fp16(dq[size_t(n) * KB + b]);")  # undeclared 'dq'
+WRONG_FAULT = ("kipp_bf16(p[0]), kipp_bf16(p[1])", "kipp_bf16(p[1]), kipp_bf16(p[0])")
 
 
 @pytest.fixture
-def mlx_stand_ins(monkeypatch):
-    """The kernel path with numpy stand-ins for every Metal kernel, except two planted faults:
-    matvec/q8_0 fails to compile, decode_attention/bf16 returns wrong numbers."""
+def mlx_faults(monkeypatch):
+    """MLXBackend options running the kernel path's exact Metal sources on the Metal emulator
+    (tools/metal_emulator, no sanitizer), with two faults planted in the sources: the q8_0
+    matvec does not compile (an undeclared identifier: clang's error, as Metal's compiler would
+    give one), and the BF16-KV decode attention swaps two dims of every K and V row it loads
+    (wrong numbers). Returns (options, calls per kernel name)."""
     pytest.importorskip("mlx.core")
-    import test_mlx_backend as stand_ins
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the Metal emulator runs on x86-64 (on a Mac, Metal runs the kernels)")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    from metal_emulator import Emulator
 
-    from kipp.apple import attention, linear, select
+    from kipp.apple import attention, linear
 
+    for holder, key, (old, new) in ((linear._BLOCK_LOAD, "q8_0", COMPILE_FAULT),
+                                    (attention._LOAD_ROW, "bf16", WRONG_FAULT)):
+        assert old in holder[key]
+        monkeypatch.setitem(holder, key, holder[key].replace(old, new))
+    emulator = Emulator("fast")
     calls = {}
 
-    def linear_kernel(kind, fmt):
-        run = stand_ins._emulated_linear(kind, fmt)
+    def runner(spec):
+        kernel = emulator(spec)
 
         def call(**kwargs):
-            if (kind, fmt) == ("matvec", "q8_0"):
-                raise RuntimeError(COMPILE_ERROR)
-            calls[f"{kind}/{fmt}"] = calls.get(f"{kind}/{fmt}", 0) + 1
-            return run(**kwargs)
+            calls[spec.name] = calls.get(spec.name, 0) + 1
+            return kernel(**kwargs)
         return call
 
-    def attention_kernel(kv_scheme):
-        run = stand_ins._emulated_decode_attention(kv_scheme)
-
-        def call(**kwargs):
-            o, ml = run(**kwargs)
-            calls[f"decode_attention/{kv_scheme}"] = calls.get(
-                f"decode_attention/{kv_scheme}", 0) + 1
-            # an indexing fault: each head's 128 output dims written in reverse order
-            return [o[..., ::-1], ml] if kv_scheme == "bf16" else [o, ml]
-        return call
-
-    monkeypatch.setattr(select, "choose_path",
-                        lambda requested="auto", metal=None: select.Choice(True, "stand-ins"))
-    monkeypatch.setattr(linear, "kernel", linear_kernel)
-    monkeypatch.setattr(attention, "kernel", attention_kernel)
-    return calls
+    runner.label = "the Metal emulator with planted faults"
+    return {"kernel_runner": runner}, calls
 
 
-def test_mlx_injected_failures_fall_back_per_kernel(artifacts, mlx_stand_ins, caplog):
+def test_mlx_injected_failures_fall_back_per_kernel(artifacts, mlx_faults, caplog):
     from kipp.apple.backend import MLXBackend
 
+    options, calls = mlx_faults
     artifact = open_artifact(artifacts(TINY, "q8_0"))
     with caplog.at_level("WARNING", logger="kipp.apple"):
-        mb = MLXBackend(artifact, BLOCKS)
+        mb = MLXBackend(artifact, BLOCKS, **options)
     report = mb.kernel_report()
     assert set(report.fell_back) == {"matvec/q8_0", "decode_attention/bf16"}
     assert report.running == ["matmul/q8_0", "matvec/bf16", "matmul/bf16"]
-    assert COMPILE_ERROR in report.fell_back["matvec/q8_0"]
+    assert "CompileError" in report.fell_back["matvec/q8_0"]
     assert "disagrees with its twin" in report.fell_back["decode_attention/bf16"]
     warned = _warnings(caplog, "kipp.apple")
     assert len(warned) == 2 and all("running its twin" in w for w in warned)
+    assert any("matvec/q8_0 failed (CompileError" in w for w in warned)
     described = mb.describe()
-    assert "fell back to twins: matvec/q8_0 (RuntimeError: Unable to build" in described
+    assert "fell back to twins: matvec/q8_0 (CompileError" in described
     assert "decode_attention/bf16 (disagrees" in described
-    mlx_stand_ins.clear()
-    _gate(ReferenceBackend(artifact, BLOCKS), mb)
+    calls.clear()
+    _gate(ReferenceBackend(artifact, BLOCKS), mb, prompt_len=20, decode_steps=2)
     # the twins replaced exactly the two failed kernels; the others kept running
-    assert "decode_attention/bf16" not in mlx_stand_ins and "matvec/q8_0" not in mlx_stand_ins
-    assert mlx_stand_ins.get("matmul/q8_0") and mlx_stand_ins.get("matvec/bf16")
+    assert set(calls) == {"kipp_matmul_q8_0", "kipp_matvec_bf16"}, calls
     _same_text(artifact, mb)
 
 
-def test_mlx_fallback_off_raises(artifacts, mlx_stand_ins, monkeypatch):
+def test_mlx_fallback_off_raises(artifacts, mlx_faults, monkeypatch):
     from kipp.apple.backend import MLXBackend
 
+    options, _ = mlx_faults
     artifact = open_artifact(artifacts(TINY, "q8_0"))
-    with pytest.raises(probe.KernelError, match="kernel matvec/q8_0 failed .*Unable to build"):
-        MLXBackend(artifact, BLOCKS, fallback=False)
+    with pytest.raises(probe.KernelError, match="kernel matvec/q8_0 failed .*CompileError"):
+        MLXBackend(artifact, BLOCKS, fallback=False, **options)
     monkeypatch.setenv(probe.FALLBACK_ENV, "0")
     with pytest.raises(probe.KernelError, match="matvec/q8_0"):
-        MLXBackend(artifact, BLOCKS)  # cached results are judged again under the switch
+        MLXBackend(artifact, BLOCKS, **options)  # cached results are judged again under the switch
     artifact = open_artifact(artifacts(TINY, "bf16"))
     with pytest.raises(probe.KernelError, match="decode_attention/bf16 failed .*disagrees"):
-        MLXBackend(artifact, BLOCKS)
+        MLXBackend(artifact, BLOCKS, **options)
 
 
 def test_mlx_kernels_that_pass_run_without_fallback_markers(artifacts, monkeypatch):
-    """All stand-ins correct: nothing falls back, and describe() carries no word the bench
-    reads as a fallback."""
+    """All kernels correct (numpy stand-ins for Metal, test_mlx_backend): nothing falls back,
+    and describe() carries no word the bench reads as a fallback."""
     pytest.importorskip("mlx.core")
     import test_mlx_backend as stand_ins
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))  # bench/
     from bench.fallback import check_kernel_path
-    from kipp.apple import attention, linear, select
     from kipp.apple.backend import MLXBackend
 
-    monkeypatch.setattr(select, "choose_path",
-                        lambda requested="auto", metal=None: select.Choice(True, "Metal"))
-    monkeypatch.setattr(linear, "kernel", stand_ins._emulated_linear)
-    monkeypatch.setattr(attention, "kernel", stand_ins._emulated_decode_attention)
-    mb = MLXBackend(open_artifact(artifacts(UNTIED, "affine4_gs32")), BLOCKS, kv_scheme="q8_0")
+    def runner(spec):
+        return stand_ins._standin_runner(spec)
+
+    runner.label = "Metal (numpy stand-ins)"
+    mb = MLXBackend(open_artifact(artifacts(UNTIED, "affine4_gs32")), BLOCKS, kv_scheme="q8_0",
+                    kernel_runner=runner)
     assert mb.kernel_report().fell_back == {} and len(mb.kernel_report().running) == 5
     assert check_kernel_path("mlx", "affine4_gs32", mb.describe()) == mb.describe()
 

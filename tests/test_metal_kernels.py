@@ -409,7 +409,8 @@ def _emulated(artifacts, checkpoint_id, scheme, emulator, **options):
     """(reference backend, MLXBackend whose kernel path runs on `emulator`) on one artifact."""
     artifact = open_artifact(artifacts(checkpoint_id, scheme))
     ref_options = {"kv_scheme": options["kv_scheme"]} if "kv_scheme" in options else {}
-    mb = MLXBackend(artifact, BLOCKS, kernel_runner=emulator, **options)
+    # fallback off: a kernel failing its load probe must fail the test, not run its twin
+    mb = MLXBackend(artifact, BLOCKS, kernel_runner=emulator, fallback=False, **options)
     assert mb.choice.kernels and "Metal emulator" in mb.describe()
     return ReferenceBackend(artifact, BLOCKS, **ref_options), mb
 
@@ -453,7 +454,7 @@ def test_whole_model_with_q8_0_kv(artifacts):
 def test_whole_model_matches_transformers(artifacts, synthetic_dir):
     """Every position of two prompts (the head on the matmul kernel) vs `transformers`."""
     artifact = open_artifact(artifacts(TINY, "bf16"))
-    model = Model(artifact, MLXBackend(artifact, 64, kernel_runner=FAST))
+    model = Model(artifact, MLXBackend(artifact, 64, kernel_runner=FAST, fallback=False))
     result = gates.gate_transformers(model, synthetic_dir(TINY), prompts=gates.DEFAULT_PROMPTS[:2])
     print(gates.format_table([result]))
     assert result.passed, result
@@ -462,7 +463,7 @@ def test_whole_model_matches_transformers(artifacts, synthetic_dir):
 @pytest.mark.slow
 def test_whole_model_cached_decode_scrambled_and_batched(artifacts):
     artifact = open_artifact(artifacts(UNTIED, "scale4_gs32"))
-    model = Model(artifact, MLXBackend(artifact, 64, kernel_runner=FAST))
+    model = Model(artifact, MLXBackend(artifact, 64, kernel_runner=FAST, fallback=False))
     results = [gates.gate_cached_decode(model, steps=4), gates.gate_scrambled_table(model),
                gates.gate_batched(model, gates.DEFAULT_PROMPTS[:3],
                                   tolerance=gates.BACKEND_NMSE)]
@@ -474,7 +475,7 @@ def test_a_kernel_runner_means_the_kernel_path(artifacts):
     """kernel_runner (kipp.apple.metal's hook) puts MLXBackend on the kernel path without
     Metal; asking for the twins as well is a contradiction, refused."""
     artifact = open_artifact(artifacts(TINY, "bf16"))
-    mb = MLXBackend(artifact, 4, kernel_runner=FAST)
+    mb = MLXBackend(artifact, 4, kernel_runner=FAST, fallback=False)
     assert mb.choice.kernels and mb.ops.runner is FAST and "Metal emulator (fast)" in mb.describe()
     with pytest.raises(KippError, match="path='twins'"):
         MLXBackend(artifact, 4, path="twins", kernel_runner=FAST)

@@ -674,8 +674,9 @@ def _standin_runner(spec):
 @pytest.fixture
 def emulated_kernels():
     """MLXBackend options running the kernel path on the numpy stand-ins (the real Metal
-    sources run on the Metal emulator: tests/test_metal_kernels.py)."""
-    return {"kernel_runner": _standin_runner}
+    sources run on the Metal emulator: tests/test_metal_kernels.py), with kernel fallback off
+    (a stand-in failing its load probe fails the test instead of running its twin)."""
+    return {"kernel_runner": _standin_runner, "fallback": False}
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

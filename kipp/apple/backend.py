@@ -96,7 +96,10 @@ class MLXBackend(Backend):
 
         checks = probes.probes(self.scheme.name, self.kv_scheme, self.entry.query_heads,
                                runner=runner)
-        key = ("mlx", str(mx.default_device()), runner)
+        # the runner and the kernels' sources are part of the key: a test that plants a fault
+        # in a source, or runs the kernels another way, meets kernels not probed yet
+        key = ("mlx", str(mx.default_device()), runner, probes.sources(self.scheme.name,
+                                                                       self.kv_scheme))
         report = probe.run_probes(checks, key, fallback, log)
         log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
         return report

@@ -58,6 +58,13 @@ def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0,
     return found
 
 
+def sources(scheme: str, kv_scheme: str) -> tuple:
+    """The specs (kipp.apple.metal.KernelSpec: name and source) of every kernel probed."""
+    formats = dict.fromkeys((scheme, "bf16"))
+    return tuple(linear.kernel_spec(kind, fmt) for fmt in formats
+                 for kind in ("matvec", "matmul")) + (attention.kernel_spec(kv_scheme),)
+
+
 def probe_weight(fmt: str, rng) -> linear.Linear:
     """A seeded [ROWS, COLS] weight in `fmt`, as the kernels' planes (kipp.quant's bytes)."""
     raw = quant.quantize((rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32), fmt)
