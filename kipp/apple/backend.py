@@ -6,9 +6,10 @@
                         #  2 CPU streams)'
     [logits] = backend.eval([EvalItem((9707, 11, 1879), 0, (5, 2))])
 
-At load the path is chosen once (kipp.apple.select). On the kernel path every Metal kernel
-variant the checkpoint uses is first probed against its twin (kipp.apple.probe, kipp.probe):
-one that fails to compile, raises or disagrees is replaced by its twin, per kernel, with a
+At load the path is chosen once (kipp.apple.select; an injected `kernel_runner`,
+kipp.apple.metal, means the kernel path). On the kernel path every Metal kernel variant the
+checkpoint uses is first probed against its twin (kipp.apple.probe, kipp.probe), run by that
+same runner (MLX on a Mac; the Metal emulator or a test's failing kernel here): one that fails to compile, raises or disagrees is replaced by its twin, per kernel, with a
 warning, and `describe()` / `kernel_report()` name it (fallback=False or KIPP_KERNEL_FALLBACK=0
 raise instead). The weights are prepared once in the path's layout (kipp.apple.linear): the
 artifact's own planes for the kernels (and for the twins replacing a failed kernel); for the
