@@ -9,16 +9,17 @@
 At load the path is chosen once (kipp.apple.select; an injected `kernel_runner`,
 kipp.apple.metal, means the kernel path). On the kernel path every Metal kernel variant the
 checkpoint uses is first probed against its twin (kipp.apple.probe, kipp.probe), run by that
-same runner (MLX on a Mac; the Metal emulator or a test's failing kernel here): one that fails to compile, raises or disagrees is replaced by its twin, per kernel, with a
-warning, and `describe()` / `kernel_report()` name it (fallback=False or KIPP_KERNEL_FALLBACK=0
-raise instead). The weights are prepared once in the path's layout (kipp.apple.linear): the
-artifact's own planes for the kernels (and for the twins replacing a failed kernel); for the
-twin path float32 or stored BF16 as `weight_memory` decides (kipp.memory: stored on a GPU;
-float32 on a CPU when it fits the budget), MLX's affine repack for quantized projections. The
-KV slab is allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits the items into
-rounds (kipp.rounds: one piece of each item per round, at most `max_round_tokens` tokens),
-builds one lazy MLX graph per round, evaluates the requested logits rows together with the
-slab, and copies the logits to numpy.
+same runner (MLX on a Mac; the Metal emulator or a test's failing kernel here): one that fails
+to compile, raises or disagrees is replaced by its twin, per kernel, with a warning, and
+`describe()` / `kernel_report()` name it (fallback=False or KIPP_KERNEL_FALLBACK=0 raise
+instead). The weights are prepared once in the path's layout (kipp.apple.linear): the artifact's
+own planes for the kernels (and for the twins replacing a failed kernel); for the twin path
+float32 or stored BF16 as `weight_memory` decides (kipp.memory: stored on a GPU; float32 on a
+CPU when it fits the budget), MLX's affine repack for quantized projections. The KV slab is
+allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits the items into rounds
+(kipp.rounds: one piece of each item per round, at most `max_round_tokens` tokens), builds one
+lazy MLX graph per round, evaluates the requested logits rows together with the slab, and copies
+the logits to numpy.
 """
 
 from __future__ import annotations
