@@ -14,6 +14,9 @@ backend items.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import numbers
 import platform
 import sys
 import time
@@ -25,7 +28,8 @@ import numpy as np
 
 from kipp.artifact import Artifact, open_artifact
 from kipp.blocks import BLOCK_SIZE, BlockPool
-from kipp.errors import KippError
+from kipp.display import count, html_view, preview, text_view
+from kipp.errors import KippError, require
 from kipp.registry import KV_HEADS, VOCAB_SIZE
 from kipp.sampling import Sampler, SamplingParams
 from kipp.session import Session, SessionError
@@ -49,21 +53,61 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     (default: the checkpoint's context length; the reference backend pages it in lazily).
     `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16").
     `kv_mib` sizes the slab in memory instead of tokens: the same MiB hold ~1.9x more tokens
-    with q8_0 KV (give kv_tokens or kv_mib, not both)."""
-    if kv_scheme not in KV_SCHEMES:
-        raise KippError(f"unknown kv_scheme {kv_scheme!r}; choose from {', '.join(KV_SCHEMES)}")
-    path = Path(checkpoint)
-    if path.suffix == ".gguf" or path.is_file():
-        artifact = open_artifact(path)
-    else:
-        from kipp.store import ensure_artifact
-
-        artifact = open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
+    with q8_0 KV (give kv_tokens or kv_mib, not both). Every argument is checked before any
+    download, conversion or allocation."""
+    _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
+    artifact = _open_checkpoint(checkpoint, scheme, progress)
     if kv_mib is not None:
-        if kv_tokens is not None:
-            raise KippError("give kv_tokens or kv_mib, not both")
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     return Model(artifact, _make_backend(artifact, backend, kv_tokens, progress, kv_scheme))
+
+
+def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None:
+    from kipp.quant import scheme as weight_scheme
+
+    if backend not in BACKENDS + ("auto",):
+        raise KippError(f"unknown backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
+    weight_scheme(scheme)  # QuantError naming the valid schemes
+    if kv_scheme not in KV_SCHEMES:
+        raise KippError(f"unknown kv_scheme {kv_scheme!r}; choose from {', '.join(KV_SCHEMES)}")
+    if kv_tokens is not None and kv_mib is not None:
+        raise KippError("give kv_tokens or kv_mib, not both")
+    if kv_tokens is not None and (isinstance(kv_tokens, bool)
+                                  or not isinstance(kv_tokens, numbers.Integral)
+                                  or kv_tokens < BLOCK_SIZE):
+        raise KippError(f"kv_tokens must be an integer of at least one {BLOCK_SIZE}-token "
+                        f"block, got {kv_tokens!r}")
+    if kv_mib is not None and (isinstance(kv_mib, bool) or not isinstance(kv_mib, numbers.Real)
+                               or not 0 < kv_mib < float("inf")):
+        raise KippError(f"kv_mib must be a positive number of MiB, got {kv_mib!r}")
+    if backend == "jax":
+        require("jax", "the jax backend")
+    elif backend == "mlx":
+        require("mlx", "the mlx backend")
+
+
+def _open_checkpoint(checkpoint: str | Path, scheme: str, progress: bool) -> Artifact:
+    """A local .gguf artifact, or a registry id's artifact (made first when missing)."""
+    path = Path(checkpoint)
+    reject_folder(path, scheme)
+    if path.suffix == ".gguf" or path.is_file():
+        return open_artifact(path)
+    from kipp import registry
+    from kipp.store import ensure_artifact
+
+    registry.get(str(checkpoint))  # RegistryError listing the supported ids
+    return open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
+
+
+def reject_folder(path: Path, scheme: str = "bf16") -> None:
+    """A clear error for a folder given where an artifact belongs (a hint for an HF folder)."""
+    if not path.is_dir():
+        return
+    if (path / "config.json").is_file():
+        raise KippError(f"{path} is a Hugging Face folder, not a Kipp artifact: convert it "
+                        f"first (kipp convert --checkpoint ID --source {path} --scheme {scheme} "
+                        f"--out FILE.gguf), or load its registry id")
+    raise KippError(f"{path} is a directory, not a .gguf artifact or a registry id")
 
 
 def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
@@ -80,8 +124,6 @@ def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
 
 def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose: bool,
                   kv_scheme: str = "bf16"):
-    if name not in BACKENDS + ("auto",):
-        raise KippError(f"unknown backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
     chosen, why = _choose_backend(name)
     context = artifact.entry.context_length
     # The reference pages its slab in lazily; the JAX slab is allocated up front, so it gets a
@@ -100,6 +142,7 @@ def _make_backend(artifact: Artifact, name: str, kv_tokens: int | None, verbose:
         from kipp.cuda.backend import make_backend
 
         backend = make_backend(artifact, num_blocks, **options)
+        backend.progress = verbose  # a progress line for each first-call compile
     else:
         from kipp.reference.backend import ReferenceBackend
 
@@ -159,6 +202,23 @@ class Model:
         self.pool = BlockPool(backend.num_blocks)
         self.tokenizer = Tokenizer(artifact.tokenizer_data())
 
+    def _display_rows(self) -> list[tuple[str, str]]:
+        pool = self.pool
+        return [
+            ("checkpoint", f"{self.entry.id} @ {self.entry.revision} ({self.entry.variant})"),
+            ("weights", f"{self.artifact.scheme.name}, {self.artifact.path}"),
+            ("backend", self.backend.describe()),
+            ("context", f"{self.entry.context_length:,} tokens"),
+            ("KV pool", f"{pool.num_in_use:,} of {count(pool.num_blocks, 'block')} in use "
+                        f"({BLOCK_SIZE} tokens each), {pool.num_evictable:,} cached for reuse"),
+        ]
+
+    def __repr__(self) -> str:
+        return text_view(f"kipp.Model {self.entry.id}", self._display_rows())
+
+    def _repr_html_(self) -> str:
+        return html_view(f"kipp.Model {self.entry.id}", self._display_rows())
+
     def session(self, capacity: int | None = None, reservation=None) -> Session:
         """A new empty session of `capacity` tokens (default: the context length). With a
         `reservation` (BlockPool.reserve) its blocks come out of the blocks promised to it."""
@@ -211,20 +271,26 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
                  stream: bool = False, stop: Sequence[str] | str | None = None,
-                 speculative: bool | SpecConfig = False, **sampling) -> "str | Generation":
+                 speculative: bool | SpecConfig = False, session: Session | None = None,
+                 **sampling) -> "str | Generation":
         """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
-        Generation: an iterator of text pieces whose `.stats` fill in as it runs. Sampling
-        keywords are those of SamplingParams (temperature, top_p, top_k, min_p, penalties,
-        logit_bias, seed). `speculative=True` (greedy only: temperature=0 or top_k=1) emits
-        the same tokens in fewer evals (kipp.spec; a SpecConfig picks the drafter and gate);
-        `.stats.spec` counts its drafts."""
+        Generation: an iterator of text pieces (sync `for` or `async for`) whose `.stats` fill
+        in as it runs. Sampling keywords are those of SamplingParams (temperature, top_p,
+        top_k, min_p, penalties, logit_bias, seed). `speculative=True` (greedy only:
+        temperature=0 or top_k=1) emits the same tokens in fewer evals (kipp.spec; a
+        SpecConfig picks the drafter and gate); `.stats.spec` counts its drafts.
+        `session` continues an open Session (a conversation): it keeps the longest prefix its
+        tokens share with the prompt (cut back where they differ), evaluates only the rest,
+        and stays open holding the prompt and the generated tokens for the next call."""
         generation = Generation(self, self.prompt_ids(prompt), max_tokens, stop,
-                                SamplingParams(**sampling), speculative=speculative)
+                                SamplingParams(**sampling), speculative=speculative,
+                                session=session)
         return generation if stream else "".join(generation)
 
     def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,
              stream: bool = False, **kwargs) -> "str | Generation":
-        """Generate the assistant's reply to `messages` (instruct checkpoints only)."""
+        """Generate the assistant's reply to `messages` (instruct checkpoints only). Keywords
+        are generate's; pass the same `session` every turn to keep the conversation's KV."""
         from kipp.chat import render
 
         if not self.entry.has_chat_template:
@@ -235,16 +301,20 @@ class Model:
 
 
 class Generation:
-    """One streaming generation: iterate for text pieces; `stats` has counts and timings."""
+    """One streaming generation: iterate for text pieces (`for`, or `async for` in async code);
+    `text` holds what has been produced so far and `stats` the counts and timings."""
 
     def __init__(self, model: Model, prompt: list[int], max_tokens: int, stop, params,
-                 speculative: bool | SpecConfig = False):
+                 speculative: bool | SpecConfig = False, session: Session | None = None):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        room = model.entry.context_length - len(prompt)
-        if max_tokens > room:
+        limit, what = model.entry.context_length, "the context length"
+        if session is not None:
+            _check_session(model, session)
+            limit, what = session.capacity, "the session's capacity"
+        if max_tokens > limit - len(prompt):
             raise GenerationError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-                                  f"exceeds the context length {model.entry.context_length}")
+                                  f"exceeds {what} {limit}")
         if not isinstance(speculative, (bool, SpecConfig)):
             raise GenerationError(f"speculative must be True, False or a kipp.spec.SpecConfig, "
                                   f"got {speculative!r}")
@@ -259,20 +329,95 @@ class Generation:
         self.speculative = SpecConfig() if speculative is True else speculative or None
         self.stats = GenerationStats(prompt_tokens=len(prompt),
                                      spec=SpecStats() if speculative else None)
+        self.session = session  # borrowed: left open, holding prompt + reply, for the next call
+        self.text = ""
+        self.state = "not started"  # then "running", then "finished" (or "failed")
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._iterator)
+        if self.state == "stopped":
+            raise StopIteration
+        self.state = "running"
+        try:
+            piece = next(self._iterator)
+        except StopIteration:
+            self.state = "finished"
+            raise
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.text += piece
+        return piece
+
+    def close(self) -> None:
+        """Stop early. An owned session publishes its full blocks and frees them at once; a
+        borrowed session stays open, holding what was evaluated so far."""
+        self._iterator.close()
+        if self.state != "finished":
+            self.state = "stopped"
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> str:
+        """The next piece, from async code. Each step runs on the calling thread (the model is
+        not thread-safe, and MLX streams are per thread), so the event loop waits for one
+        token at a time and serves its other tasks between tokens."""
+        await asyncio.sleep(0)
+        try:
+            return next(self)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def _display_rows(self) -> list[tuple[str, str]]:
+        s = self.stats
+        state = self.state + (f" ({s.finish_reason})" if s.finish_reason else "")
+        rows = [("state", state),
+                ("tokens", f"{s.prompt_tokens:,} prompt ({s.reused_tokens:,} reused), "
+                           f"{s.completion_tokens:,} generated of at most {self.max_tokens:,}"),
+                ("speed", f"prefill {s.prefill_tokens_per_second:.1f} tok/s, decode "
+                          f"{s.decode_tokens_per_second:.1f} tok/s")]
+        if s.spec is not None:
+            rows.append(("speculative", f"{s.spec.accepted}/{s.spec.drafted} drafted tokens "
+                                        f"accepted in {s.spec.evals} evals"))
+        return rows
+
+    def __repr__(self) -> str:
+        rows = self._display_rows() + [("text", repr(preview(self.text)))]
+        return text_view("kipp.Generation", rows)
+
+    def _repr_html_(self) -> str:
+        return html_view("kipp.Generation", self._display_rows(), text=self.text)
+
+    def _open_session(self):
+        if self.session is not None:
+            return contextlib.nullcontext(self.session)
+        return self.model.session(len(self.prompt) + self.max_tokens)
+
+    def _reuse(self, session: Session) -> int:
+        """Prompt tokens whose KV is kept: the borrowed session's common prefix with the prompt
+        (the rest of its timeline is cut), else published blocks adopted from the pool."""
+        if session.tokens:
+            shared = 0
+            for have, want in zip(session.tokens, self.prompt):
+                if have != want:
+                    break
+                shared += 1
+            keep = min(shared, len(self.prompt) - 1)  # the last prompt token gives the logits
+            session.truncate(keep)
+            if keep:
+                return keep
+        return session.match_prefix(self.prompt)
 
     def _run(self) -> Iterator[str]:
         model, stats = self.model, self.stats
         detok = StreamingDetokenizer(model.tokenizer)
-        with model.session(len(self.prompt) + self.max_tokens) as session:
+        with self._open_session() as session:
             start = time.perf_counter()
-            stats.reused_tokens = session.match_prefix(self.prompt)
+            stats.reused_tokens = self._reuse(session)
             logits = session.eval(self.prompt[stats.reused_tokens:])[0]
             stats.prefill_seconds = time.perf_counter() - start
             for received, token in enumerate(self._tokens(session, logits)):
@@ -321,6 +466,16 @@ class Generation:
             return logits
 
         return evaluate
+
+
+def _check_session(model: Model, session: Session) -> None:
+    if not isinstance(session, Session):
+        raise GenerationError(f"session must be a kipp Session (model.session()), "
+                              f"got {type(session).__name__}")
+    if session.model is not model:
+        raise GenerationError("the session belongs to another model")
+    if session.closed:
+        raise GenerationError("the session is closed")
 
 
 class StopStrings:
