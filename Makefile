@@ -15,8 +15,10 @@ $(VENV)/.base: pyproject.toml
 	$(VENV)/bin/pip install --quiet -e .
 	touch $@
 
+# The dev extra is large (torch, jax, transformers, mlx[cpu], ...): pip shows what it fetches.
 $(VENV)/.dev: $(VENV)/.base
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	@echo "make: installing the dev extra into $(VENV) (the first time: about 1.8 GB of wheels)"
+	$(VENV)/bin/pip install --progress-bar on -e '.[dev]'
 	touch $@
 
 # The main job: generate text. The first run makes the checkpoint's artifact (synthesize or

@@ -366,7 +366,8 @@ def _parser() -> argparse.ArgumentParser:
                       "fits ~1.9x the tokens of bf16 in the same MiB)")
     p.add_argument("--threads", type=_at_least(1), default=96, help="HTTP worker threads")
     p.add_argument("--chat-max-tokens", type=_at_least(1),
-                   help="max_tokens of a chat request that gives none (default 1024)")
+                   help="max_tokens of a chat request that gives none (default 1024: more "
+                   "than chat()'s 256, as OpenAI clients leave it out and expect a whole answer)")
     p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
     p.set_defaults(run=_serve)

@@ -219,3 +219,16 @@ def test_a_session_from_elsewhere_is_rejected_before_any_work(models, fresh_mode
         with pytest.raises(GenerationError, match="exceeds the session's capacity 8"):
             model.generate("Hi", max_tokens=8, session=small)
         assert small.tokens == []
+
+
+def test_the_first_jax_compile_of_a_shape_shows_progress(artifacts, capsys):
+    pytest.importorskip("jax")
+    model = load(artifacts(TINY), backend="jax", kv_tokens=64)
+    model.generate("Hello", max_tokens=2, temperature=0)
+    first = capsys.readouterr().err
+    assert "kipp: compiling the jax step" in first and "(first call of this shape)" in first
+    model.generate("Hello", max_tokens=2, temperature=0)  # the same shapes: compiled already
+    assert "compiling" not in capsys.readouterr().err
+    quiet = load(artifacts(TINY), backend="jax", kv_tokens=96, progress=False)
+    quiet.generate("Hello there", max_tokens=2, temperature=0)
+    assert quiet.backend.compile_log and "compiling" not in capsys.readouterr().err
