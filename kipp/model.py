@@ -331,7 +331,7 @@ class Generation:
                                      spec=SpecStats() if speculative else None)
         self.session = session  # borrowed: left open, holding prompt + reply, for the next call
         self.text = ""
-        self.state = "not started"  # then "running", then "finished" (or "failed")
+        self.state = "not started"  # then "running"; "finished", "stopped" (close) or "failed"
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[str]:

@@ -95,7 +95,8 @@ def test_displays_say_what_a_user_needs(fresh_model):
     assert "not started" in repr(generation)
     text = "".join(generation)
     assert generation.text == text and repr(text) in repr(generation)
-    assert "finished (length)" in repr(generation) and "4 generated of at most 4" in repr(generation)
+    assert "finished (length)" in repr(generation)
+    assert "4 generated of at most 4" in repr(generation)
 
     tokenizer = repr(model.tokenizer)
     assert "151,936 ids" in tokenizer and "<|im_end|> (151645)" in tokenizer

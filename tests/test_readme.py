@@ -89,7 +89,8 @@ def test_every_block_follows_the_convention():
 
 def test_the_parser_reads_markers_and_rejects_an_unclosed_fence():
     text = ("intro\n\n<!-- readme-test: skip (needs a GPU) -->\n```sh\nnvidia-smi\n```\n"
-            "```python\nprint(1)\n```\n\n<!-- readme-test: server -->\n\n```python\nx = 8080\n```\n")
+            "```python\nprint(1)\n```\n\n<!-- readme-test: server -->\n\n"
+            "```python\nx = 8080\n```\n")
     skip, plain, server = parse("doc.md", text)
     assert (skip.marker, skip.reason, skip.code, skip.line) == ("skip", "needs a GPU",
                                                                 "nvidia-smi\n", 4)
