@@ -73,6 +73,8 @@ def test_quickstart_notebook_runs(kernel_env):
     assert "kipp.Model" in model.data["text/html"] and TINY in model.data["text/plain"]
     assert any(WIDGET in o.get("data", {}) for o in outputs_of(notebook, "cell-02")), (
         "the conversion's progress bar should be a widget in Jupyter")
+    pieces = [o for o in outputs_of(notebook, "cell-06") if o.output_type == "stream"]
+    assert len(pieces) >= 4, "the stream should reach the notebook piece by piece, not at once"
     streamed = stdout_of(notebook, "cell-06")
     [shown] = [o for o in outputs_of(notebook, "cell-07") if o.output_type == "execute_result"]
     assert streamed and "finished (length)" in shown.data["text/plain"]
