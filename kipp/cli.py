@@ -49,7 +49,6 @@ def _convert(args) -> None:
 
     if args.out.exists() and not args.force:
         raise KippError(f"{args.out} exists; pass --force to overwrite it")
-
     out = convert(args.checkpoint, args.source, args.scheme, args.out,
                   progress=not args.quiet)
     print(out)
