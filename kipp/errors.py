@@ -53,6 +53,7 @@ class MissingExtra(KippError):
 EXTRA_OF_MODULE = {
     "jax": "jax", "jaxlib": "jax", "mlx": "apple", "flask": "server", "waitress": "server",
     "prometheus_client": "server", "torch": "gates", "transformers": "gates",
+    "llguidance": "structured", "jsonschema": "structured",
 }
 _ALTERNATIVE = {"jax": " (or 'kipp[cuda]' for an NVIDIA GPU)",
                 "apple": " (off Apple silicon: pip install 'mlx[cpu]')"}
