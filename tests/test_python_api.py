@@ -7,6 +7,7 @@ import asyncio
 import html
 import importlib.util
 import inspect
+import json
 
 import numpy as np
 import pytest
@@ -233,3 +234,51 @@ def test_the_first_jax_compile_of_a_shape_shows_progress(artifacts, capsys):
     quiet = load(artifacts(TINY), backend="jax", kv_tokens=96, progress=False)
     quiet.generate("Hello there", max_tokens=2, temperature=0)
     assert quiet.backend.compile_log and "compiling" not in capsys.readouterr().err
+
+
+def test_constrained_replies_continue_a_session(models):
+    """A conversation with response_format keeps its KV like a plain one, and each reply is the
+    one chat() gives without a session."""
+    pytest.importorskip("llguidance")
+    model = models(TINY)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "A number?"}]
+    with model.session() as s:
+        for turn in range(2):
+            want = model.chat(messages, max_tokens=16, temperature=0, response_format=schema)
+            reply = model.chat(messages, max_tokens=16, temperature=0, response_format=schema,
+                               session=s, stream=True)
+            text = "".join(reply)
+            assert text == want and 0 <= json.loads(text)["n"] <= 99
+            assert (reply.stats.reused_tokens > 0) == (turn > 0)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": "Another?"}]
+        assert_kv_matches_a_fresh_session(model, s)
+    assert model.pool.num_in_use == 0
+
+
+def test_progress_bars_are_tqdm_auto_widgets_in_jupyter(monkeypatch):
+    """Download, synthesis, conversion and the JAX compile bar all use tqdm.auto, which is the
+    ipywidgets bar in a notebook kernel and a text bar on stderr elsewhere."""
+    import tqdm.auto
+
+    import kipp.convert
+    import kipp.download
+    import kipp.synthetic
+    from kipp.display import step_bar
+
+    assert kipp.synthetic.tqdm is tqdm.auto.tqdm and kipp.convert.tqdm is tqdm.auto.tqdm
+    assert issubclass(kipp.download.hf_tqdm, tqdm.auto.tqdm)
+    made = []
+
+    class Recording(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["desc"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+    with step_bar("compiling x (first call of this shape)", enabled=False):
+        pass
+    assert made == ["compiling x (first call of this shape)"]
