@@ -24,8 +24,10 @@ $(VENV)/.base: pyproject.toml
 	$(VENV)/bin/pip install --quiet -e .
 	touch $@
 
+# The dev extra is large (torch, jax, transformers, mlx[cpu], ...): pip shows what it fetches.
 $(VENV)/.dev: $(VENV)/.base
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	@echo "make: installing the dev extra into $(VENV) (the first time: ~170 packages, 2.8 GiB installed)"
+	$(VENV)/bin/pip install --progress-bar on -e '.[dev]'
 	touch $@
 
 # The main job: generate text. The first run makes the checkpoint's artifact (synthesize or

@@ -134,6 +134,8 @@ def cmd_run(args, argv) -> int:
 
     for path in paths:
         print("\n".join(summary_lines(path)))
+    for line in runner.failures(paths):  # a crashed peer fails the run too, by name
+        print(f"bench: FAILED {line}", file=sys.stderr)
     return runner.exit_status(paths)
 
 

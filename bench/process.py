@@ -25,6 +25,17 @@ class WorkerError(RuntimeError):
         self.refused = refused
 
 
+def exit_text(returncode: int | None) -> str:
+    """`-11` -> `-11, crashed: SIGSEGV`: a killed worker says which signal in the record."""
+    if returncode is None or returncode >= 0:
+        return str(returncode)
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"{returncode}, crashed: {name}"
+
+
 def worker_env(spec: ArmSpec) -> dict[str, str]:
     """The arm's environment: thread counts pinned, the repo importable, engine extras."""
     env = dict(os.environ)
@@ -65,7 +76,8 @@ class ArmProcess:
             self.proc.stdin.write((json.dumps(payload) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise WorkerError(f"worker exited ({self.proc.poll()}); log tail:\n{self.log_tail()}")
+            raise WorkerError(f"worker exited ({exit_text(self.proc.poll())}); log tail:\n"
+                              f"{self.log_tail()}")
         try:
             line = self._replies.get(timeout=timeout)
         except queue.Empty:
@@ -74,8 +86,8 @@ class ArmProcess:
                               f"log tail:\n{self.log_tail()}") from None
         if line is None:
             self.proc.wait(timeout=30)
-            raise WorkerError(f"worker exited ({self.proc.returncode}) during {payload['op']}; "
-                              f"log tail:\n{self.log_tail()}")
+            raise WorkerError(f"worker exited ({exit_text(self.proc.returncode)}) during "
+                              f"{payload['op']}; log tail:\n{self.log_tail()}")
         reply = json.loads(line)
         if not reply.get("ok"):
             detail = reply.get("traceback") or ""

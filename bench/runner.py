@@ -274,13 +274,22 @@ def run(config: RunConfig) -> list[Path]:
     return written
 
 
-def exit_status(paths: list[Path]) -> int:
-    """0 when every Kipp arm measured; 3 when one was refused (fell back) or failed."""
+def failures(paths: list[Path]) -> list[str]:
+    """`arm workload: status: reason` for every arm of any engine that failed (crashed, timed
+    out, errored) or was refused (ran another path than asked); unavailable peers are not."""
     import json
 
+    found = []
     for path in paths:
-        for arm in json.loads(path.read_text())["arms"]:
-            if arm["engine"] == "kipp" and arm["status"] in ("refused", "failed"):
-                return 3
-    return 0
+        record = json.loads(Path(path).read_text())
+        for arm in record["arms"]:
+            if arm["status"] in ("refused", "failed"):
+                reason = " ".join(str(arm.get("reason", "")).split())[:200]
+                found.append(f"{arm['arm']} {record['workload']['name']}: {arm['status']}: "
+                             f"{reason}")
+    return found
 
+
+def exit_status(paths: list[Path]) -> int:
+    """0 when every loaded arm measured; 3 when an arm of any engine failed or was refused."""
+    return 3 if failures(paths) else 0

@@ -751,9 +751,11 @@ def summary_lines(path: Path) -> list[str]:
 
 
 def exit_status(paths: list[Path]) -> int:
-    """0 when every Kipp arm measured; 3 when one was refused or failed."""
+    """0 when every arm measured; 3 when an arm of any engine was refused or failed (a crashed
+    server included), or Kipp's own server was unavailable."""
     for path in paths:
         for arm in json.loads(Path(path).read_text())["arms"]:
-            if arm["engine"] == "kipp" and arm["status"] in ("refused", "failed", "unavailable"):
+            if arm["status"] in ("refused", "failed") or (
+                    arm["engine"] == "kipp" and arm["status"] == "unavailable"):
                 return 3
     return 0

@@ -1,15 +1,34 @@
-"""The `kipp` command line: thin wrappers over the same calls the Python API makes."""
+"""The `kipp` command line: thin wrappers over the same calls the Python API makes.
+
+Generated text (and each command's result) goes to stdout; status, progress and errors go to
+stderr, so `kipp run ... > out.txt` holds only the text. Every flag is checked before a model is
+loaded, and an error names the flag. Sampling and max-tokens defaults are read from the Python
+API, so `kipp run` and `model.generate` behave alike; `--help` shows them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import sys
 from pathlib import Path
 
-from kipp.errors import KippError
+from kipp.errors import KippError, missing_extra, require
+from kipp.model import BACKENDS, KV_SCHEMES, Model
+from kipp.sampling import SamplingError, SamplingParams
 
 SCHEME_NAMES = ("bf16", "q8_0", "affine4_gs32", "scale4_gs32")
-KV_SCHEME_NAMES = ("bf16", "q8_0")
+KV_SCHEME_NAMES = KV_SCHEMES
+# Optional packages a command needs beyond the base install (checked before loading a model).
+COMMAND_NEEDS = {"serve": ("flask", "waitress", "prometheus_client"),
+                 "gates": ("torch", "transformers")}
+SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+
+def _api_default(method, name: str):
+    """A keyword's default in the Python API (the CLI's default is the same by construction)."""
+    return inspect.signature(method).parameters[name].default
 
 
 def _synthesize(args) -> None:
@@ -28,6 +47,8 @@ def _download(args) -> None:
 def _convert(args) -> None:
     from kipp.convert import convert
 
+    if args.out.exists() and not args.force:
+        raise KippError(f"{args.out} exists; pass --force to overwrite it")
     out = convert(args.checkpoint, args.source, args.scheme, args.out,
                   progress=not args.quiet)
     print(out)
@@ -40,6 +61,9 @@ def _prepare(args) -> None:
 
 
 def _inspect(args) -> None:
+    from kipp.model import reject_folder
+
+    reject_folder(args.artifact)
     _describe(args.artifact)
 
 
@@ -74,7 +98,20 @@ def _sampling(args) -> dict:
             "seed": args.seed}
 
 
+def _check_sampling(args) -> None:
+    """Flag combinations, before the model loads (each flag's own range is argparse's)."""
+    if args.spec and not SamplingParams(**_sampling(args)).is_greedy:
+        raise KippError("--spec is greedy only: add --temperature 0 (or --top-k 1)")
+    from kipp import registry
+
+    entry = registry.REGISTRY.get(args.model)
+    if entry is not None and args.max_tokens >= entry.context_length:
+        raise KippError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+                        f"{entry.id}'s context of {entry.context_length} tokens")
+
+
 def _run(args) -> None:
+    _check_sampling(args)
     model = _load(args)
     generation = model.generate(args.prompt, args.max_tokens, stream=True, speculative=args.spec,
                                 **_sampling(args))
@@ -82,9 +119,11 @@ def _run(args) -> None:
 
 
 def _stream(generation) -> None:
-    for piece in generation:
-        print(piece, end="", flush=True)
-    print()
+    try:
+        for piece in generation:
+            print(piece, end="", flush=True)
+    finally:
+        print(flush=True)  # end the text's line, also when interrupted
     s = generation.stats
     print(f"[{s.prompt_tokens} prompt tokens ({s.reused_tokens} reused), prefill "
           f"{s.prefill_tokens_per_second:.1f} tok/s; {s.completion_tokens} generated, decode "
@@ -96,22 +135,37 @@ def _stream(generation) -> None:
 
 
 def _chat(args) -> None:
+    """One session holds the conversation's KV: each turn evaluates only what the re-rendered
+    conversation adds (or, where the template rewrites earlier text, from the first change)."""
+    _check_sampling(args)
     model = _load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("kipp chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        generation = model.chat(messages, args.max_tokens, stream=True, speculative=args.spec,
-                                enable_thinking=not args.no_think, **_sampling(args))
-        _stream(generation)
-        messages.append({"role": "assistant",
-                         "content": model.tokenizer.decode(generation.stats.tokens)})
+    print("kipp chat: an empty line or Ctrl-D ends the conversation; Ctrl-C stops a reply",
+          file=sys.stderr)
+    with model.session() as session:
+        while (line := _read_turn()) is not None:
+            messages.append({"role": "user", "content": line})
+            generation = model.chat(messages, args.max_tokens, stream=True, session=session,
+                                    speculative=args.spec, enable_thinking=not args.no_think,
+                                    **_sampling(args))
+            try:
+                _stream(generation)
+            except KeyboardInterrupt:  # the partial reply stays in the conversation
+                generation.close()
+                print("kipp: reply stopped", file=sys.stderr)
+            messages.append({"role": "assistant",
+                             "content": model.tokenizer.decode(generation.stats.tokens)})
+
+
+def _read_turn() -> str | None:
+    """The user's next line (the prompt goes to stderr), or None at an empty line or EOF."""
+    print("> ", end="", file=sys.stderr, flush=True)
+    try:
+        line = input()
+    except EOFError:
+        print(file=sys.stderr)
+        return None
+    return line if line.strip() else None
 
 
 def _serve(args) -> None:
@@ -169,9 +223,71 @@ def _doctor(args) -> int:
     return main(args)
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """--help shows each option's default, where it has one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and "%(default)" not in text and default is not None
+                and default is not False and default != argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its --help shows defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpWithDefaults)
+        super().__init__(*args, **kwargs)
+
+
+def _at_least(low: int, kind=int):
+    """An argparse type: a number >= low (argparse names the flag in its error)."""
+    def check(text: str):
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    check.__name__ = kind.__name__
+    return check
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _sampling_type(name: str, kind):
+    """An argparse type that checks the value as SamplingParams would (one range, one place)."""
+    def check(text: str):
+        value = kind(text)
+        try:
+            SamplingParams(**{name: value})
+        except SamplingError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    check.__name__ = kind.__name__
+    return check
+
+
 def _add_model_arguments(p) -> None:
     p.add_argument("model", help="a registry id or a .gguf artifact")
-    p.add_argument("--backend", default="auto", help="auto, reference, mlx or jax")
+    p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                   help="auto picks the fastest installed: jax on a GPU, mlx on Apple silicon, "
+                   "then jax or mlx on the CPU, else reference")
     p.add_argument("--scheme", default="bf16", choices=SCHEME_NAMES,
                    help="weight scheme when MODEL is a registry id")
     p.add_argument("--kv-scheme", default="bf16", choices=KV_SCHEME_NAMES,
@@ -181,19 +297,27 @@ def _add_model_arguments(p) -> None:
                    "auto: float32 when it fits half the available memory, stored on a GPU)")
 
 
-def _add_sampling_arguments(p) -> None:
+def _add_sampling_arguments(p, max_tokens: int) -> None:
     p.add_argument("--spec", action="store_true", help="greedy self-speculative decoding "
                    "(prompt-lookup drafts; same output, fewer evals); needs --temperature 0")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--max-tokens", type=_at_least(1), default=max_tokens,
+                   help="most tokens to generate")
+    p.add_argument("--temperature", type=_sampling_type("temperature", float),
+                   default=SAMPLING_DEFAULTS["temperature"], help="0 is greedy")
+    p.add_argument("--top-p", type=_sampling_type("top_p", float),
+                   default=SAMPLING_DEFAULTS["top_p"], help="nucleus sampling mass (0, 1]")
+    p.add_argument("--top-k", type=_sampling_type("top_k", int),
+                   default=SAMPLING_DEFAULTS["top_k"], help="keep the k likeliest; 0 is off")
+    p.add_argument("--seed", type=_sampling_type("seed", int),
+                   help="sampling seed (default: fresh randomness)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kipp", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    from kipp.scheduler import DEFAULT_PREFILL_CHUNK
+
+    parser = argparse.ArgumentParser(prog="kipp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     p = commands.add_parser("synthesize", help="write a synthetic checkpoint's HF folder")
     p.add_argument("checkpoint", help="a kipp-synthetic/... registry id")
@@ -211,48 +335,54 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, type=Path, help="Hugging Face folder")
     p.add_argument("--scheme", required=True, choices=SCHEME_NAMES)
     p.add_argument("--out", required=True, type=Path, help="output .gguf file")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_convert)
 
     p = commands.add_parser("prepare", help="make a checkpoint's artifact (download or "
                             "synthesize, then convert) unless it exists; print its summary")
     p.add_argument("checkpoint", help="a registry id")
-    p.add_argument("--scheme", default="bf16", choices=SCHEME_NAMES)
+    p.add_argument("--scheme", default="bf16", choices=SCHEME_NAMES, help="weight scheme")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_prepare)
 
     p = commands.add_parser("run", help="generate text from a prompt, streaming")
     _add_model_arguments(p)
-    p.add_argument("--prompt", required=True)
-    _add_sampling_arguments(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    _add_sampling_arguments(p, _api_default(Model.generate, "max_tokens"))
     p.set_defaults(run=_run)
 
     p = commands.add_parser("chat", help="interactive chat (instruct checkpoints)")
     _add_model_arguments(p)
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="enable_thinking=False")
-    _add_sampling_arguments(p)
+    _add_sampling_arguments(p, _api_default(Model.chat, "max_tokens"))
     p.set_defaults(run=_chat)
 
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--host", default="127.0.0.1", help="bind address: loopback only unless "
+                   "you choose otherwise")
+    p.add_argument("--port", type=_port, default=8080, help="0 picks a free port (printed)")
+    p.add_argument("--max-batch", type=_at_least(1), default=8,
+                   help="sequences decoded together")
+    p.add_argument("--max-queue", type=_at_least(1), default=64,
                    help="waiting requests before new ones get 503")
-    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per sequence per step")
+    p.add_argument("--prefill-chunk", type=_at_least(1), default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens per sequence per step")
     pool = p.add_mutually_exclusive_group()
-    pool.add_argument("--kv-tokens", type=int, help="KV pool size in tokens (default: backend's)")
-    pool.add_argument("--kv-mib", type=float, help="KV pool size in MiB (q8_0 KV fits ~1.9x "
-                      "the tokens of bf16 in the same MiB)")
-    p.add_argument("--threads", type=int, default=96, help="HTTP worker threads")
-    p.add_argument("--chat-max-tokens", type=int,
+    pool.add_argument("--kv-tokens", type=_at_least(32),
+                      help="KV pool size in tokens (default: backend's)")
+    pool.add_argument("--kv-mib", type=_positive_float, help="KV pool size in MiB (q8_0 KV "
+                      "fits ~1.9x the tokens of bf16 in the same MiB)")
+    p.add_argument("--threads", type=_at_least(1), default=96, help="HTTP worker threads")
+    p.add_argument("--chat-max-tokens", type=_at_least(1),
                    help="max_tokens of a chat request that gives none (default 1024, cut to "
-                   "the request's share of the KV pool: pool / max-batch)")
-    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   "the request's share of the KV pool: pool / max-batch; more than chat()'s "
+                   "256, as OpenAI clients leave it out and expect a whole answer)")
+    p.add_argument("--drain-timeout", type=_positive_float, default=10.0,
                    help="on SIGTERM/SIGINT: seconds until exit; running requests may finish "
-                   "until shortly before it (default 10)")
+                   "until shortly before it")
     p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
     p.set_defaults(run=_serve)
@@ -272,12 +402,13 @@ def _parser() -> argparse.ArgumentParser:
                             "backend choice, kernel probes, gates, a short speed check")
     p.add_argument("model", nargs="?", help="a registry id or .gguf to time (default: the "
                    "tiny synthetic checkpoint)")
-    p.add_argument("--backend", default="auto", help="auto, reference, mlx or jax")
+    p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                   help="the backend to check")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.set_defaults(run=_doctor)
 
     p = commands.add_parser("inspect", help="validate an artifact and summarise it")
-    p.add_argument("artifact", type=Path)
+    p.add_argument("artifact", type=Path, help="a .gguf file")
     p.set_defaults(run=_inspect)
     return parser
 
@@ -285,14 +416,25 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # everything after it belongs to the harness's own parser
-        args = argparse.Namespace(run=_bench, bench_args=argv[1:])
+        args = argparse.Namespace(run=_bench, bench_args=argv[1:], command="bench")
     else:
         args = _parser().parse_args(argv)
     try:
+        for module in COMMAND_NEEDS.get(args.command, ()):
+            require(module, f"kipp {args.command}")
         return args.run(args) or 0
     except KippError as e:
         print(f"kipp: error: {e}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # an optional package a deeper import needed
+        extra = missing_extra(e, f"kipp {args.command}")
+        if extra is None:
+            raise
+        print(f"kipp: error: {extra}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kipp: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

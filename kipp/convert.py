@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget in Jupyter, a text bar on stderr elsewhere
 
 from kipp import gguf, registry
 from kipp.artifact import TensorSpec, expected_metadata, expected_tensors, tokenizer_metadata

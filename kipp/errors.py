@@ -37,3 +37,37 @@ class QuantError(KippError):
 
 class ConvertError(KippError):
     """A source checkpoint folder cannot be converted into a Kipp artifact."""
+
+
+class MissingExtra(KippError):
+    """An optional package is not installed; the message names the extra that installs it."""
+
+    def __init__(self, what: str, module: str, extra: str):
+        self.module = module
+        self.extra = extra
+        super().__init__(f"{what} needs {module}, which is not installed: "
+                         f"pip install 'kipp[{extra}]'{_ALTERNATIVE.get(extra, '')}")
+
+
+# The extra that installs each optional top-level package (pyproject.toml's extras).
+EXTRA_OF_MODULE = {
+    "jax": "jax", "jaxlib": "jax", "mlx": "apple", "flask": "server", "waitress": "server",
+    "prometheus_client": "server", "torch": "gates", "transformers": "gates",
+    "llguidance": "structured", "jsonschema": "structured",
+}
+_ALTERNATIVE = {"jax": " (or 'kipp[cuda]' for an NVIDIA GPU)",
+                "apple": " (off Apple silicon: pip install 'mlx[cpu]')"}
+
+
+def require(module: str, what: str) -> None:
+    """Raise MissingExtra naming the extra unless `module` is importable (nothing imported)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(what, module, EXTRA_OF_MODULE[module])
+
+
+def missing_extra(error: ModuleNotFoundError, what: str) -> MissingExtra | None:
+    """The MissingExtra for an import that failed on an optional package, else None."""
+    root = (error.name or "").split(".")[0]
+    return MissingExtra(what, root, EXTRA_OF_MODULE[root]) if root in EXTRA_OF_MODULE else None

@@ -14,6 +14,9 @@ backend items.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +29,8 @@ from kipp import stops
 from kipp.artifact import Artifact, open_artifact
 from kipp.backends import BACKENDS, choose_backend, open_backend  # noqa: F401  (BACKENDS: API)
 from kipp.blocks import BLOCK_SIZE, BlockPool
-from kipp.errors import KippError
+from kipp.display import count, html_view, preview, text_view
+from kipp.errors import KippError, require
 from kipp.memory import check_weight_memory
 from kipp.registry import KV_HEADS, VOCAB_SIZE
 from kipp.sampling import Sampler, SamplingParams
@@ -53,30 +57,72 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16").
     `kv_mib` sizes the slab in memory instead of tokens: the same MiB hold ~1.9x more tokens
     with q8_0 KV (give kv_tokens or kv_mib, not both). `weight_memory` ("auto", "stored",
-    "float32") says how the jax and mlx backends hold their weights (kipp.memory)."""
-    if kv_scheme not in KV_SCHEMES:
-        raise KippError(f"unknown kv_scheme {kv_scheme!r}; choose from {', '.join(KV_SCHEMES)}")
+    "float32") says how the jax and mlx backends hold their weights (kipp.memory). Every
+    argument is checked before any download, conversion or allocation."""
+    _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
     check_weight_memory(weight_memory)
     choice = choose_backend(backend)
-    path = Path(checkpoint)
-    if path.suffix == ".gguf" or path.is_file():
-        artifact = open_artifact(path)
-    else:
-        from kipp.store import ensure_artifact
-
-        artifact = open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
+    artifact = _open_checkpoint(checkpoint, scheme, progress)
     if kv_mib is not None:
-        if kv_tokens is not None:
-            raise KippError("give kv_tokens or kv_mib, not both")
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
     if weight_memory != "auto":
         options["weight_memory"] = weight_memory
     backend = open_backend(choice.name, artifact, _num_blocks(artifact, choice.name, kv_tokens),
                            **options)
+    if choice.name == "jax":
+        backend.progress = progress  # a progress line for each first-call compile
     if progress:
         print(f"kipp: backend {backend.describe()} ({choice.reason})", file=sys.stderr)
     return Model(artifact, backend)
+
+
+def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None:
+    from kipp.quant import scheme as weight_scheme
+
+    if backend not in BACKENDS + ("auto",):
+        raise KippError(f"unknown backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
+    weight_scheme(scheme)  # QuantError naming the valid schemes
+    if kv_scheme not in KV_SCHEMES:
+        raise KippError(f"unknown kv_scheme {kv_scheme!r}; choose from {', '.join(KV_SCHEMES)}")
+    if kv_tokens is not None and kv_mib is not None:
+        raise KippError("give kv_tokens or kv_mib, not both")
+    if kv_tokens is not None and (isinstance(kv_tokens, bool)
+                                  or not isinstance(kv_tokens, numbers.Integral)
+                                  or kv_tokens < BLOCK_SIZE):
+        raise KippError(f"kv_tokens must be an integer of at least one {BLOCK_SIZE}-token "
+                        f"block, got {kv_tokens!r}")
+    if kv_mib is not None and (isinstance(kv_mib, bool) or not isinstance(kv_mib, numbers.Real)
+                               or not 0 < kv_mib < float("inf")):
+        raise KippError(f"kv_mib must be a positive number of MiB, got {kv_mib!r}")
+    if backend == "jax":
+        require("jax", "the jax backend")
+    elif backend == "mlx":
+        require("mlx", "the mlx backend")
+
+
+def _open_checkpoint(checkpoint: str | Path, scheme: str, progress: bool) -> Artifact:
+    """A local .gguf artifact, or a registry id's artifact (made first when missing)."""
+    path = Path(checkpoint)
+    reject_folder(path, scheme)
+    if path.suffix == ".gguf" or path.is_file():
+        return open_artifact(path)
+    from kipp import registry
+    from kipp.store import ensure_artifact
+
+    registry.get(str(checkpoint))  # RegistryError listing the supported ids
+    return open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
+
+
+def reject_folder(path: Path, scheme: str = "bf16") -> None:
+    """A clear error for a folder given where an artifact belongs (a hint for an HF folder)."""
+    if not path.is_dir():
+        return
+    if (path / "config.json").is_file():
+        raise KippError(f"{path} is a Hugging Face folder, not a Kipp artifact: convert it "
+                        f"first (kipp convert --checkpoint ID --source {path} --scheme {scheme} "
+                        f"--out FILE.gguf), or load its registry id")
+    raise KippError(f"{path} is a directory, not a .gguf artifact or a registry id")
 
 
 def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
@@ -135,6 +181,23 @@ class Model:
         self.pool = BlockPool(backend.num_blocks)
         self.tokenizer = Tokenizer(artifact.tokenizer_data())
 
+    def _display_rows(self) -> list[tuple[str, str]]:
+        pool = self.pool
+        return [
+            ("checkpoint", f"{self.entry.id} @ {self.entry.revision} ({self.entry.variant})"),
+            ("weights", f"{self.artifact.scheme.name}, {self.artifact.path}"),
+            ("backend", self.backend.describe()),
+            ("context", f"{self.entry.context_length:,} tokens"),
+            ("KV pool", f"{pool.num_in_use:,} of {count(pool.num_blocks, 'block')} in use "
+                        f"({BLOCK_SIZE} tokens each), {pool.num_evictable:,} cached for reuse"),
+        ]
+
+    def __repr__(self) -> str:
+        return text_view(f"kipp.Model {self.entry.id}", self._display_rows())
+
+    def _repr_html_(self) -> str:
+        return html_view(f"kipp.Model {self.entry.id}", self._display_rows())
+
     def session(self, capacity: int | None = None, reservation=None) -> Session:
         """A new empty session of `capacity` tokens (default: the context length). With a
         `reservation` (BlockPool.reserve) its blocks come out of the blocks promised to it."""
@@ -187,14 +250,18 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
                  stream: bool = False, stop: Sequence[str] | str | None = None,
-                 speculative: bool | SpecConfig = False, json_schema=None,
-                 regex: str | None = None, grammar=None, **sampling) -> "str | Generation":
+                 speculative: bool | SpecConfig = False, session: Session | None = None,
+                 json_schema=None, regex: str | None = None, grammar=None,
+                 **sampling) -> "str | Generation":
         """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
-        Generation: an iterator of text pieces whose `.stats` fill in as it runs. Sampling
-        keywords are those of SamplingParams (temperature, top_p, top_k, min_p, penalties,
-        logit_bias, seed). `speculative=True` (greedy only: temperature=0 or top_k=1) emits
-        the same tokens in fewer evals (kipp.spec; a SpecConfig picks the drafter and gate);
-        `.stats.spec` counts its drafts.
+        Generation: an iterator of text pieces (sync `for` or `async for`) whose `.stats` fill
+        in as it runs. Sampling keywords are those of SamplingParams (temperature, top_p,
+        top_k, min_p, penalties, logit_bias, seed). `speculative=True` (greedy only:
+        temperature=0 or top_k=1) emits the same tokens in fewer evals (kipp.spec; a
+        SpecConfig picks the drafter and gate); `.stats.spec` counts its drafts.
+        `session` continues an open Session (a conversation): it keeps the longest prefix its
+        tokens share with the prompt (cut back where they differ), evaluates only the rest,
+        and stays open holding the prompt and the generated tokens for the next call.
 
         Constrained decoding (kipp.grammar), at most one of: `json_schema` (a dict, JSON text
         or pydantic model class: the output is one JSON value valid against it), `regex` (the
@@ -202,13 +269,15 @@ class Model:
         Generation ends ("stop") as soon as the grammar is complete."""
         generation = Generation(self, self.prompt_ids(prompt), max_tokens, stop,
                                 SamplingParams(**sampling), speculative=speculative,
+                                session=session,
                                 grammar=constraint(json_schema, regex, grammar))
         return generation if stream else "".join(generation)
 
     def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,
              stream: bool = False, response_format=None, tools=None, tool_choice=None,
              parallel_tool_calls: bool = True, **kwargs) -> "str | ChatReply | Generation":
-        """Generate the assistant's reply to `messages` (instruct checkpoints only).
+        """Generate the assistant's reply to `messages` (instruct checkpoints only). Keywords
+        are generate's; pass the same `session` every turn to keep the conversation's KV.
 
         `response_format`: OpenAI's ({"type": "json_object"}, {"type": "json_schema",
         "json_schema": {"name", "schema"}}), a pydantic model class or a JSON Schema dict; the
@@ -314,16 +383,21 @@ class ChatReply:
 
 
 class Generation:
-    """One streaming generation: iterate for text pieces; `stats` has counts and timings."""
+    """One streaming generation: iterate for text pieces (`for`, or `async for` in async code);
+    `text` holds what has been produced so far and `stats` the counts and timings."""
 
     def __init__(self, model: Model, prompt: list[int], max_tokens: int, stop, params,
-                 speculative: bool | SpecConfig = False, grammar=None):
+                 speculative: bool | SpecConfig = False, session: Session | None = None,
+                 grammar=None):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        room = model.entry.context_length - len(prompt)
-        if max_tokens > room:
+        limit, what = model.entry.context_length, "the context length"
+        if session is not None:
+            _check_session(model, session)
+            limit, what = session.capacity, "the session's capacity"
+        if max_tokens > limit - len(prompt):
             raise GenerationError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-                                  f"exceeds the context length {model.entry.context_length}")
+                                  f"exceeds {what} {limit}")
         if not isinstance(speculative, (bool, SpecConfig)):
             raise GenerationError(f"speculative must be True, False or a kipp.spec.SpecConfig, "
                                   f"got {speculative!r}")
@@ -346,20 +420,95 @@ class Generation:
         self.speculative = SpecConfig() if speculative is True else speculative or None
         self.stats = GenerationStats(prompt_tokens=len(prompt),
                                      spec=SpecStats() if speculative else None)
+        self.session = session  # borrowed: left open, holding prompt + reply, for the next call
+        self.text = ""
+        self.state = "not started"  # then "running"; "finished", "stopped" (close) or "failed"
         self._iterator = self._run()
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._iterator)
+        if self.state == "stopped":
+            raise StopIteration
+        self.state = "running"
+        try:
+            piece = next(self._iterator)
+        except StopIteration:
+            self.state = "finished"
+            raise
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.text += piece
+        return piece
+
+    def close(self) -> None:
+        """Stop early. An owned session publishes its full blocks and frees them at once; a
+        borrowed session stays open, holding what was evaluated so far."""
+        self._iterator.close()
+        if self.state != "finished":
+            self.state = "stopped"
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> str:
+        """The next piece, from async code. Each step runs on the calling thread (the model is
+        not thread-safe, and MLX streams are per thread), so the event loop waits for one
+        token at a time and serves its other tasks between tokens."""
+        await asyncio.sleep(0)
+        try:
+            return next(self)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def _display_rows(self) -> list[tuple[str, str]]:
+        s = self.stats
+        state = self.state + (f" ({s.finish_reason})" if s.finish_reason else "")
+        rows = [("state", state),
+                ("tokens", f"{s.prompt_tokens:,} prompt ({s.reused_tokens:,} reused), "
+                           f"{s.completion_tokens:,} generated of at most {self.max_tokens:,}"),
+                ("speed", f"prefill {s.prefill_tokens_per_second:.1f} tok/s, decode "
+                          f"{s.decode_tokens_per_second:.1f} tok/s")]
+        if s.spec is not None:
+            rows.append(("speculative", f"{s.spec.accepted}/{s.spec.drafted} drafted tokens "
+                                        f"accepted in {s.spec.evals} evals"))
+        return rows
+
+    def __repr__(self) -> str:
+        rows = self._display_rows() + [("text", repr(preview(self.text)))]
+        return text_view("kipp.Generation", rows)
+
+    def _repr_html_(self) -> str:
+        return html_view("kipp.Generation", self._display_rows(), text=self.text)
+
+    def _open_session(self):
+        if self.session is not None:
+            return contextlib.nullcontext(self.session)
+        return self.model.session(len(self.prompt) + self.max_tokens)
+
+    def _reuse(self, session: Session) -> int:
+        """Prompt tokens whose KV is kept: the borrowed session's common prefix with the prompt
+        (the rest of its timeline is cut), else published blocks adopted from the pool."""
+        if session.tokens:
+            shared = 0
+            for have, want in zip(session.tokens, self.prompt):
+                if have != want:
+                    break
+                shared += 1
+            keep = min(shared, len(self.prompt) - 1)  # the last prompt token gives the logits
+            session.truncate(keep)
+            if keep:
+                return keep
+        return session.match_prefix(self.prompt)
 
     def _run(self) -> Iterator[str]:
         model, stats = self.model, self.stats
         detok = StreamingDetokenizer(model.tokenizer)
-        with model.session(len(self.prompt) + self.max_tokens) as session:
+        with self._open_session() as session:
             start = time.perf_counter()
-            stats.reused_tokens = session.match_prefix(self.prompt)
+            stats.reused_tokens = self._reuse(session)
             logits = session.eval(self.prompt[stats.reused_tokens:])[0]
             stats.prefill_seconds = time.perf_counter() - start
             for received, token in enumerate(self._tokens(session, logits)):
@@ -426,6 +575,16 @@ class Generation:
             return logits
 
         return evaluate
+
+
+def _check_session(model: Model, session: Session) -> None:
+    if not isinstance(session, Session):
+        raise GenerationError(f"session must be a kipp Session (model.session()), "
+                              f"got {type(session).__name__}")
+    if session.model is not model:
+        raise GenerationError("the session belongs to another model")
+    if session.closed:
+        raise GenerationError("the session is closed")
 
 
 class StopStrings(stops.StopStrings):

@@ -14,6 +14,7 @@ import numpy as np
 
 from kipp.backend import EvalItem
 from kipp.blocks import BLOCK_SIZE, BlockPool, Reservation
+from kipp.display import count, html_view, text_view
 from kipp.errors import KippError
 from kipp.registry import Checkpoint
 
@@ -66,6 +67,19 @@ class Session:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def _display_rows(self) -> list[tuple[str, str]]:
+        shared = f" ({self.shared_blocks} adopted from the pool)" if self.shared_blocks else ""
+        return [("state", "closed" if self.closed else "open"),
+                ("length", f"{self.length:,} of {self.capacity:,} tokens (capacity)"),
+                ("blocks", f"{count(len(self.block_table), 'block')} ({BLOCK_SIZE} tokens each)"
+                           f"{shared}")]
+
+    def __repr__(self) -> str:
+        return text_view("kipp.Session", self._display_rows())
+
+    def _repr_html_(self) -> str:
+        return html_view("kipp.Session", self._display_rows())
 
     @property
     def length(self) -> int:

@@ -9,6 +9,7 @@ registry change never serves a stale file. The root is $KIPP_HOME, else ~/.cache
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from kipp import registry
@@ -39,7 +40,8 @@ def source_folder(checkpoint_id: str, progress: bool = True) -> Path:
         from kipp.synthetic import synthesize
 
         if progress:
-            print(f"kipp: generating synthetic checkpoint {entry.id} in {folder}")
+            print(f"kipp: generating synthetic checkpoint {entry.id} in {folder}",
+                  file=sys.stderr)
         synthesize(entry.id, folder)
     return folder
 
@@ -52,6 +54,6 @@ def ensure_artifact(checkpoint_id: str, scheme: str = "bf16", progress: bool = T
 
         source = source_folder(checkpoint_id, progress)
         if progress:
-            print(f"kipp: converting {checkpoint_id} to {scheme} at {path}")
+            print(f"kipp: converting {checkpoint_id} to {scheme} at {path}", file=sys.stderr)
         convert(checkpoint_id, source, scheme, path, progress=progress)
     return path

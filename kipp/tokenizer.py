@@ -27,6 +27,7 @@ from typing import Iterable
 
 import regex
 
+from kipp.display import html_view, text_view
 from kipp.errors import KippError
 from kipp.registry import VOCAB_SIZE
 
@@ -276,6 +277,22 @@ class Tokenizer:
     def from_files(cls, tokenizer_json_path, tokenizer_config_json_path) -> "Tokenizer":
         """Load from a Hugging Face tokenizer.json + tokenizer_config.json pair."""
         return cls(load_tokenizer_files(tokenizer_json_path, tokenizer_config_json_path))
+
+    def _display_rows(self) -> list[tuple[str, str]]:
+        types = self.data.token_types
+        bpe = sum(1 for t in types if t == TOKEN_NORMAL)
+        added = sum(1 for t in types if t in _ADDED_TYPES)
+        template = "yes" if self.data.chat_template else "none (a base checkpoint)"
+        return [("vocabulary", f"{self.vocab_size:,} ids: {bpe:,} BPE tokens, {added} added, "
+                               f"{self.vocab_size - bpe - added} padding"),
+                ("end of text", f"{self.id_to_token(self.eos_token_id)} ({self.eos_token_id})"),
+                ("chat template", template)]
+
+    def __repr__(self) -> str:
+        return text_view("kipp.Tokenizer (Qwen3 byte-level BPE)", self._display_rows())
+
+    def _repr_html_(self) -> str:
+        return html_view("kipp.Tokenizer (Qwen3 byte-level BPE)", self._display_rows())
 
     @property
     def vocab_size(self) -> int:

@@ -384,3 +384,28 @@ def test_report_renders_server_and_spec_records():
     spec = {"speedups": {"copy": {"speedup": summary, "acceptance_rate": 0.75, "evals_spec": 9,
                                   "evals_plain": 63, "identical": False}}}
     assert report.spec_lines(spec)[-1] == "| copy | 12.5 ± 0.5 (n=3) | 75% | 9 / 63 | NO |"
+
+
+def test_a_crashed_peer_fails_the_run_by_name(tmp_path, monkeypatch, stock_store):
+    """A peer's worker that dies of a signal (llama.cpp's AMX path segfaulted this way) is a
+    failed arm named in the record, and the run exits non-zero; the Kipp arm still measures."""
+    home = stock_store(tmp_path / "home", TINY, ("bf16",))
+    monkeypatch.setenv("KIPP_HOME", str(home))
+    crashing = tmp_path / "crashing-python"
+    crashing.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "bench.worker" ]; then\n'
+        f'  exec "{sys.executable}" -c "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"\n'
+        "fi\n"
+        f'exec "{sys.executable}" "$@"\n')  # the import probe sees a working interpreter
+    crashing.chmod(0o755)
+    config = _config(tmp_path, engines=["kipp", "transformers"],
+                     pythons={"transformers": str(crashing)})
+    [path] = runner.run(config)
+    arms_by_engine = {a["engine"]: a for a in json.loads(path.read_text())["arms"]}
+    assert arms_by_engine["kipp"]["status"] == "ok"
+    crashed = arms_by_engine["transformers"]
+    assert crashed["status"] == "failed" and "crashed: SIGSEGV" in crashed["reason"]
+    assert runner.exit_status([path]) == 3
+    [line] = runner.failures([path])
+    assert line.startswith("transformers/bf16 decode: failed: load: worker exited (-11")

@@ -43,6 +43,7 @@ from kipp import kvquant, memory, probe
 from kipp.artifact import Artifact
 from kipp.backend import Backend, EvalItem
 from kipp.cuda import forward, layout, rounds, select
+from kipp.display import step_bar
 from kipp.errors import KippError
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS, VOCAB_SIZE
 from kipp.rope import rope_tables
@@ -60,6 +61,7 @@ class JaxBackend(Backend):
     """Qwen3 on JAX (see module docstring). Not thread-safe: one caller at a time."""
 
     name = "jax"
+    progress = False  # kipp.load(progress=True) sets it: a progress line per first-call compile
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  weight_memory: str = "auto", weight_layout: str | None = None, mesh=None,
@@ -219,8 +221,10 @@ class JaxBackend(Backend):
     def _compile(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
         start = time.perf_counter()
         step = jax.jit(functools.partial(forward.step, ops=self._ops()), donate_argnums=(1,))
-        program = step.lower(self.params, self.kv, self.rope,
-                             jax.device_put(arrays, self._replicated)).compile()
+        what = f"kipp: compiling the jax step {bucket} (first call of this shape)"
+        with step_bar(what, self.progress):
+            program = step.lower(self.params, self.kv, self.rope,
+                                 jax.device_put(arrays, self._replicated)).compile()
         seconds = time.perf_counter() - start
         self.compile_log.append((bucket, seconds))
         log.info("compiled step %s in %.2f s (%s)", bucket, seconds, self.choice.label)
