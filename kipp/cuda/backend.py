@@ -65,7 +65,8 @@ class JaxBackend(Backend):
         self.choice = select.choose_path(path, "gpu" if platform in ("gpu", "cuda") else platform)
         if mesh is not None and self.choice.kernels:
             self.choice = select.Choice(False, False, "sharded over a mesh: twins")
-        self.layout = layout.choose_layout(platform) if weight_layout == "auto" else weight_layout
+        self.layout = (layout.choose_layout(platform, sharded=mesh is not None)
+                       if weight_layout == "auto" else weight_layout)
         self.mesh = mesh
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
@@ -76,6 +77,13 @@ class JaxBackend(Backend):
                  time.perf_counter() - start)
 
     def _load(self, artifact: Artifact, platform: str) -> None:
+        if self.layout == "panels":
+            from kipp.cuda import cpu_matmul
+
+            usable, why = cpu_matmul.available()
+            if platform != "cpu" or self.mesh is not None or not usable:
+                raise KippError(f"the panels weight layout needs Kipp's CPU matmul on one CPU "
+                                f"device ({why if not usable else platform})")
         params = layout.prepare_weights(artifact, self.layout)
         cos, sin = reference_ops.rope_tables(np.arange(self.entry.context_length),
                                              self.entry.rope_theta)
@@ -101,8 +109,10 @@ class JaxBackend(Backend):
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
+        weights = ("f32 panel weights, Kipp CPU matmul" if self.layout == "panels"
+                   else f"{self.layout} weights")
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
-                f"{self.layout} weights, {self.scheme.name} artifact{kv})")
+                f"{weights}, {self.scheme.name} artifact{kv})")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -141,7 +151,16 @@ class JaxBackend(Backend):
                 program = self._compile_or_fall_back(bucket, arrays)
                 _PROGRAMS[(bucket,) + self._signature] = program  # the path actually compiled
             self._programs[bucket] = program
+            self._precompile_decode(bucket)
         return program
+
+    def _precompile_decode(self, bucket: rounds.Bucket) -> None:
+        """A multi-token round's block width gets its one-token program at once: the first
+        decode step at that context, and a cache hit that leaves only a prompt's last token to
+        evaluate (kipp.blocks' tails), then never wait on a compile."""
+        one = rounds.Bucket(1, 1, 1, bucket.blocks, 1)
+        if bucket.tokens > 1 and one not in self._programs:
+            self._program(one, rounds.placeholder_arrays(one, self.num_blocks))
 
     def _compile_or_fall_back(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
         if not self.choice.kernels or self.choice.interpret:

@@ -1,6 +1,6 @@
 """Weights prepared once, at load, in the layout the device runs fast.
 
-Two layouts, chosen per device (`choose_layout`), both exact images of the artifact's values:
+Three layouts, chosen per device (`choose_layout`), all exact images of the artifact's values:
 
 - "device" (GPU): projections stay as stored: BF16 `[out, in]`, or the quantized scheme's
   packed planes (never widened): q8_0 -> int8 `[out, in/32, 32]`; scale4_gs32 and affine4_gs32
@@ -32,6 +32,8 @@ whole by a step that updates one layer's slice.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,7 +48,7 @@ from kipp.registry import KV_BLOCK
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
-LAYOUTS = ("f32", "device")
+LAYOUTS = ("f32", "device", "panels")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Linear:
 
     fmt "f32" / "bf16": w [out, in]. fmt "q8_0": w int8 [out, in/32, 32], d fp16 [out, in/32].
     fmt "scale4_gs32": w uint8 [out, in/32, 16] nibbles, d. fmt "affine4_gs32": w, d, m.
+    fmt "f32p": w float32 panels [out/8, in, 8] (kipp.cuda.cpu_matmul).
     """
 
     w: Any
@@ -65,6 +68,8 @@ class Linear:
     @property
     def shape(self) -> tuple[int, int]:
         rows = self.w.shape[0]
+        if self.fmt == "f32p":
+            return rows * self.w.shape[2], self.w.shape[1]
         if self.fmt in ("f32", "bf16"):
             return rows, self.w.shape[1]
         return rows, self.w.shape[1] * BLOCK
@@ -77,9 +82,26 @@ class Linear:
 jax.tree_util.register_dataclass(Linear, data_fields=["w", "d", "m"], meta_fields=["fmt"])
 
 
-def choose_layout(platform: str) -> str:
-    """float32 on XLA's CPU (see the module docstring), the artifact's own layout elsewhere."""
-    return "f32" if platform == "cpu" else "device"
+def choose_layout(platform: str, sharded: bool = False) -> str:
+    """On XLA's CPU: float32 panels for Kipp's CPU matmul when it is available and the model is
+    not sharded, else plain float32 (see the module docstring); the artifact's own layout
+    elsewhere."""
+    if platform != "cpu":
+        return "device"
+    if sharded:
+        return "f32"
+    from kipp.cuda import cpu_matmul
+
+    usable, why = cpu_matmul.available()
+    if not usable:
+        _warn_once(f"Kipp's CPU matmul is unavailable ({why}); using the float32 layout and "
+                   f"XLA's dot")
+    return "panels" if usable else "f32"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logging.getLogger("kipp.cuda").warning(message)
 
 
 def pack_linear(t: Tensor, layout: str) -> Linear:
@@ -113,6 +135,10 @@ def prepare_weights(artifact: Artifact, layout: str) -> dict[str, Any]:
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if layout == "panels":
+        from kipp.cuda import cpu_matmul
+
+        return cpu_matmul.prepare_weights(artifact)
     w = artifact.weights
     table = w.token_embd.f32() if layout == "f32" else w.token_embd.bf16()
     head = None if w.tied else (w.output.f32() if layout == "f32" else w.output.bf16())
