@@ -418,8 +418,9 @@ class Scheduler:
         leader = model.session(capacity)
         run.cached_tokens = leader.match_prefix(request.prompt)
         # Followers adopt the leader's prompt blocks once it has evaluated them, but a follower
-        # may find fewer (evicted, or a live duplicate), so it is reserved in full.
-        worst = request.n * blocks_needed(capacity) - leader.shared_blocks
+        # may find fewer (evicted, or a live duplicate), so it is reserved in full. The
+        # leader's adopted blocks (shared ones and a cached tail) come from the cache.
+        worst = request.n * blocks_needed(capacity) - len(leader.block_table)
         try:
             run.reservation = model.pool.reserve(worst)
         except PoolExhausted:

@@ -85,7 +85,10 @@ def test_finished_request_prefix_is_adopted(model):
     drive(scheduler)
     _, _, _, done = collect(second)
     assert first_done.cached_tokens == 0
-    assert done.cached_tokens == len(long_prompt) // BLOCK_SIZE * BLOCK_SIZE
+    # The full blocks, then the first request's tail (its prompt's last partial block and the
+    # tokens it generated there) for the prompt tokens it agrees on: the whole first prompt.
+    assert len(long_prompt) % BLOCK_SIZE + 3 < BLOCK_SIZE
+    assert done.cached_tokens == len(long_prompt)
     assert done.timings["cache_n"] == done.cached_tokens
     assert done.timings["prompt_n"] == len(long_prompt) + 2 - done.cached_tokens
     greedy = scheduler.submit(Request(prompt=long_prompt + [11, 12], max_tokens=6,
@@ -93,6 +96,24 @@ def test_finished_request_prefix_is_adopted(model):
     drive(scheduler)
     assert collect(greedy)[0][0] == isolated(model, long_prompt + [11, 12], 6,
                                              temperature=0)[0]
+
+
+def test_repeated_prompt_evaluates_only_its_last_token(model):
+    """The same prompt again adopts everything but its last token (full blocks and the cached
+    tail), evaluates one token in one step, and gives the isolated run's tokens."""
+    prompt = model.tokenizer.encode("A prompt that ends inside a block. " * 9)
+    assert len(prompt) % BLOCK_SIZE
+    scheduler = Scheduler(model, prefill_chunk=16)
+    scheduler.submit(Request(prompt=prompt, max_tokens=1))
+    drive(scheduler)
+    steps = scheduler.counters["steps"]
+    ticket = scheduler.submit(Request(prompt=prompt, max_tokens=5,
+                                      sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    tokens, _, _, done = collect(ticket)
+    assert done.cached_tokens == len(prompt) - 1 and done.timings["prompt_n"] == 1
+    assert scheduler.counters["steps"] - steps == 5  # one step per token, the first included
+    assert tokens[0] == isolated(model, prompt, 5, temperature=0)[0]
 
 
 def test_pool_pressure_delays_admission_and_every_request_completes(artifacts):
