@@ -242,7 +242,7 @@ class Scheduler:
         self._stopping = False
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
                              reused_tokens=0, generated_tokens=0, steps=0, spec_drafted=0,
-                             spec_accepted=0)
+                             spec_accepted=0, step_seconds=0.0, eval_seconds=0.0)
 
     # -- caller side (any thread) -------------------------------------------------------------
 
@@ -347,6 +347,7 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduler step: reap cancellations, admit, run one batched eval, sample.
         Returns whether anything was evaluated. Called by the engine thread (or a test)."""
+        started = time.perf_counter()
         self._reap_cancelled()
         self._admit()
         batch = [(c, c.next_tokens(self.prefill_chunk)) for r in self._running for c in r.live
@@ -354,8 +355,10 @@ class Scheduler:
         if not batch:
             return False
         try:
+            evaluating = time.perf_counter()
             results = self.model.eval_batch([(c.session, tokens, 1 + len(c.draft))
                                              for c, tokens in batch])
+            self.counters["eval_seconds"] += time.perf_counter() - evaluating
         except Exception as e:  # sessions are unchanged (eval_batch); fail only this batch
             log.exception("batched eval failed")
             for run in {id(c.run): c.run for c, _ in batch}.values():
@@ -371,6 +374,7 @@ class Scheduler:
         for run in [r for r in self._running if not r.live]:
             self._running.remove(run)
             self._finish(run)
+        self.counters["step_seconds"] += time.perf_counter() - started  # the steps counted
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:

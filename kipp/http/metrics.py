@@ -48,6 +48,12 @@ class _SchedulerCollector:
             ("kipp_requests_cancelled", "Requests cancelled (client gone)", s["cancelled"]),
             ("kipp_requests_failed", "Requests that failed in the engine", s["failed"]),
             ("kipp_engine_steps", "Batched eval steps run", s["steps"]),
+            ("kipp_engine_step_seconds", "Wall time of those steps: admission, batched eval, "
+             "sampling, streaming", s["step_seconds"]),
+            ("kipp_engine_eval_seconds", "Of the step time, the backend's batched eval",
+             s["eval_seconds"]),
+            ("kipp_prefix_tail_hits", "Cached partial last blocks adopted (repeated prompts)",
+             pool["tail_hits"]),
             ("kipp_spec_drafted_tokens", "Draft tokens verified (speculative serving)",
              s["spec_drafted"]),
             ("kipp_spec_accepted_tokens", "Draft tokens accepted", s["spec_accepted"]),
