@@ -14,11 +14,14 @@ never reused), so by induction the whole prefix is verified token by token.
 
 Tails: a sequence that ends mid-block can also publish that last, partial block (`publish(...,
 tail=True)`, what a closing session does), keyed by its parent publication and holding its
-1..31 tokens. A later prompt whose leading full blocks matched up to that parent adopts the
-tail with `match_tail`, for as many of its tokens as agree: the block leaves the cache and
-becomes the adopter's private block (it will write its next positions there; what lies past
-them is never read), so a repeated prompt evaluates only its last token. A tail is never
-shared, so it needs no copy; a tail in use by one sequence is simply not found by another.
+1..31 tokens. A later prompt whose leading full blocks matched up to that parent takes over,
+with `match_tail`, a cached block continuing them: the tail that agrees with it longest, or a
+full block that holds all of the prompt's remaining tokens (a finished sequence's prompt end
+and what it generated after it; never for a partial agreement, since a full block may head a
+longer cached chain). The block leaves the cache and becomes the adopter's private block, for
+the agreeing tokens only (it writes its next positions there; what lies past them is never
+read), so a repeated prompt evaluates only its last token. Only an unreferenced cached block is
+taken, so nobody else's KV changes and no copy is needed.
 
 Typical use by a session and the scheduler:
 
@@ -125,6 +128,7 @@ class BlockPool:
         self._by_hash: dict[bytes, int] = {}  # digest -> published block
         self._tails: dict[int, _Tail] = {}  # published partial block -> what it holds
         self._tails_by_parent: dict[int | None, set[int]] = {}
+        self._children: dict[int | None, set[int]] = {}  # parent serial -> full blocks
         self._serials = itertools.count(1)
         self._reserved = 0
         self.hits = self.hit_tokens = self.published = self.evictions = 0
@@ -221,6 +225,7 @@ class BlockPool:
                     break  # already published under another chain; never publish a block twice
                 self._meta[b] = _Published(digest, chunk, parent, next(self._serials))
                 self._by_hash[digest] = owner = b
+                self._children.setdefault(parent, set()).add(b)
                 new += 1
             parent = self._meta[owner].serial
         else:
@@ -241,13 +246,15 @@ class BlockPool:
 
     def match_tail(self, tokens: Sequence[int], table: Sequence[int],
                    limit: int) -> tuple[int | None, int]:
-        """Adopt a cached tail continuing `table` (what match_prefix returned for `tokens`).
+        """Take over a cached block continuing `table` (what match_prefix returned for `tokens`).
 
-        Returns (block, n): the tail whose tokens agree longest with the tokens after the
-        table, now a private block of the caller (refcount 1, out of the cache, its first n
-        positions valid), and n = that agreement capped at `limit` (leave at least one token
-        to evaluate); (None, 0) when none agrees. Like match_prefix, it only takes unreserved
-        headroom; release the block like any allocated one.
+        Returns (block, n): of the unreferenced cached blocks whose parent is the table's last
+        block, the tail whose tokens agree longest with the tokens after the table, or a full
+        block agreeing with all of them (the prompt ends in it), now a private block of the
+        caller (refcount 1, out of the cache, its first n positions valid), and n = that
+        agreement (capped at `limit`: leave at least one token to evaluate; at most 31);
+        (None, 0) when none agrees. Like match_prefix, it only takes unreserved headroom;
+        release the block like any allocated one.
         """
         start = len(table) * BLOCK_SIZE
         parent = self._meta[table[-1]].serial if table else None
@@ -257,6 +264,12 @@ class BlockPool:
             n = _common_prefix(self._tails[b].tokens, rest)
             if n > agree and self._ref[b] == 0:
                 best, agree = b, n
+        for b in self._children.get(parent, ()):
+            # A full block may head a longer cached chain: take it only for a prompt that ends
+            # in it, agreeing all the way (a repeated prompt), never to save a few tokens.
+            if rest and self._ref[b] == 0 and self._meta[b].tokens[:len(rest)] == rest:
+                best, agree = b, len(rest)
+                break
         if best is None or self._headroom() == 0:
             return None, 0
         del self._lru[best]
@@ -321,6 +334,10 @@ class BlockPool:
             assert len(meta.tokens) == BLOCK_SIZE, f"published block {b} is not full"
         listed = [b for blocks in self._tails_by_parent.values() for b in blocks]
         assert sorted(listed) == sorted(self._tails), "tail index and tails disagree"
+        children = [b for blocks in self._children.values() for b in blocks]
+        assert sorted(children) == sorted(self._meta), "child index and full blocks disagree"
+        for b, meta in self._meta.items():
+            assert b in self._children[meta.parent], f"block {b} under the wrong parent"
         for b, tail in self._tails.items():
             assert 0 < len(tail.tokens) < BLOCK_SIZE, f"tail block {b} holds {len(tail.tokens)}"
             assert b in self._tails_by_parent[tail.parent], f"tail {b} under the wrong parent"
@@ -357,7 +374,11 @@ class BlockPool:
             if not self._tails_by_parent[parent]:
                 del self._tails_by_parent[parent]
             return
-        del self._by_hash[self._meta.pop(b).digest]
+        meta = self._meta.pop(b)
+        del self._by_hash[meta.digest]
+        self._children[meta.parent].discard(b)
+        if not self._children[meta.parent]:
+            del self._children[meta.parent]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -411,6 +411,40 @@ def test_tail_rules_on_publish():
     assert pool.stats()["tail_hits"] == 0
 
 
+def test_an_unreferenced_full_block_is_taken_over_for_the_tokens_that_agree():
+    """A finished sequence whose generated tokens filled its prompt's last block left it full:
+    the same prompt again takes that block over privately (out of the cache) for the prompt's
+    tokens in it; a prompt of exactly two blocks keeps its last token to evaluate."""
+    pool = BlockPool(8)
+    finished = seq(2)  # a 52-token prompt and 12 generated tokens
+    table = pool.allocate(2)
+    finish_with_tail(pool, finished, table)
+    prompt = finished[:BLOCK_SIZE + 20]
+    got, n = adopt(pool, prompt)
+    assert got == table and n == len(prompt) - 1
+    assert table[1] not in pool._meta and pool._ref[table[1]] == 1  # no longer cached
+    pool.release(got)
+    pool.check()
+    assert pool.num_free == 7 and adopt(pool, prompt) == (table[:1], BLOCK_SIZE)
+    pool.release(table[:1])
+    # A prompt that leaves the full block's tokens early does not break the cached chain.
+    table = pool.match_prefix(finished) + pool.allocate(1)
+    finish_with_tail(pool, finished, table)
+    early = finished[:BLOCK_SIZE + 5] + [999] * 10
+    assert adopt(pool, early) == (table[:1], BLOCK_SIZE) and table[1] in pool._meta
+    pool.release(table[:1])
+    pool.check()
+
+    got, n = adopt(pool, finished)  # 64 tokens: one full block shared, 31 of the next taken
+    assert got == table and n == 2 * BLOCK_SIZE - 1
+    # A block someone still uses is never taken.
+    other, m = adopt(pool, finished)
+    assert other == table[:1] and m == BLOCK_SIZE
+    pool.release(other)
+    pool.release(got)
+    pool.check()
+
+
 def test_tails_are_evicted_before_their_prefix():
     pool = BlockPool(3)
     table = pool.allocate(3)
