@@ -12,6 +12,8 @@
               kipp serve, llama-cpp-python's server and vLLM's, same client (bench/server_bench.py)
     engine    Kipp against itself in one run: server vs raw step rate, batch scaling, reused-
               prompt TTFT vs one decode step (bench/engine_bench.py)
+    kernels   compile every Pallas kernel at every registry shape for an H200 (no GPU needed):
+              registers, spills, shared memory, tensor-core dots, roofline (bench/kernels.py)
 """
 
 from __future__ import annotations
@@ -393,6 +395,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kipp-source", default=None, metavar="DIR",
                    help="run the server and worker on this checkout's kipp package (before)")
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
+    p = sub("kernels", "H200 compile report of every kernel shape", checkpoint=False,
+            schemes=None, results=False)
+    p.add_argument("--only", default="", help="cases whose id or checkpoints contain this")
+    p.add_argument("--render-only", action="store_true", help="re-render the newest record")
+    p.add_argument("--no-readme", action="store_true", help="leave bench/README.md alone")
     return parser
 
 
@@ -403,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
               "campaign": cmd_campaign}
     if args.command in simple:
         return simple[args.command](args)
+    if args.command == "kernels":
+        from bench import kernels
+
+        return kernels.main(args, _command(argv))
     return {"run": cmd_run, "ceiling": cmd_ceiling, "ppl": cmd_ppl, "interop": cmd_interop,
             "server": cmd_server, "engine": cmd_engine}[args.command](args, argv)
 
