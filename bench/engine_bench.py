@@ -50,6 +50,7 @@ from bench.stats import summarize
 GOALS = {"server_overhead": (">=", 0.9), "batch_scaling": (">=", 5.0), "reuse_ttft": ("<=", 50)}
 STEP_METRICS = ("kipp_engine_steps_total", "kipp_engine_step_seconds_total",
                 "kipp_engine_eval_seconds_total")
+COMPILE_METRICS = ("kipp_engine_compiles_total", "kipp_engine_compile_seconds_total")
 
 
 @dataclass
@@ -164,6 +165,25 @@ def _step_counters(server: RunningServer) -> dict[str, float] | None:
     return {name: metrics[name] for name in STEP_METRICS}
 
 
+def _compiles(server: RunningServer) -> tuple[float, float] | None:
+    metrics = server.metrics() or {}
+    if not all(name in metrics for name in COMPILE_METRICS):
+        return None  # a Kipp without the compile counters
+    return tuple(metrics[name] for name in COMPILE_METRICS)
+
+
+def compiled_during(server: RunningServer, phase, *args) -> dict:
+    """phase(*args), with the step programs the server compiled meanwhile (count, seconds):
+    a compile inside a measured phase is engine time a warmed-up run would not pay."""
+    before = _compiles(server)
+    out = phase(*args)
+    after = _compiles(server)
+    if before is not None and after is not None:
+        out["compiles"] = after[0] - before[0]
+        out["compile_s"] = after[1] - before[1]
+    return out
+
+
 def single_stream(server: RunningServer, config: EngineBenchConfig, prompt: str,
                   ban: list[int]) -> dict:
     before = _step_counters(server)
@@ -221,20 +241,25 @@ def one_round(server, worker, config: EngineBenchConfig, book: PromptBook, ban: 
     short = book.get(("engine-single", r), config.prompt_tokens)
     out = {"round": r, "loadavg_before": list(os.getloadavg())}
     out["raw"] = raw_decode(worker, config, _ids(short))
-    out["single"] = single_stream(server, config, short["text"], ban)
+    out["single"] = compiled_during(server, single_stream, server, config, short["text"], ban)
     for n in (1, config.clients):
         prompts = [book.get(("engine-agg", r, n, i), config.prompt_tokens)["text"]
                    for i in range(n)]
-        result = aggregate_round(server.url, server.model_id, prompts, config.max_tokens, ban,
-                                 config.request_timeout)
-        out[f"c{n}"] = {k: result[k] for k in ("value", "wall_s", "completion_tokens",
-                                               "per_client_decode_tok_s_median")}
-    out["reuse"] = reuse(server, config, book.get(("engine-reuse", r), config.ttft_tokens)["text"],
-                         ban)
+        out[f"c{n}"] = compiled_during(server, _aggregate, server, config, prompts, ban)
+    out["reuse"] = compiled_during(server, reuse, server, config,
+                                   book.get(("engine-reuse", r), config.ttft_tokens)["text"], ban)
     out["profile"] = profile(worker, config, _ids(book.get(("engine-profile", r),
                                                            config.ttft_tokens)), ban)
     out["loadavg_after"] = list(os.getloadavg())
     return out
+
+
+def _aggregate(server: RunningServer, config: EngineBenchConfig, prompts: list[str],
+               ban: list[int]) -> dict:
+    result = aggregate_round(server.url, server.model_id, prompts, config.max_tokens, ban,
+                             config.request_timeout)
+    return {k: result[k] for k in ("value", "wall_s", "completion_tokens",
+                                   "per_client_decode_tok_s_median")}
 
 
 def _ids(prompt: dict) -> list[int]:
@@ -281,10 +306,13 @@ def summary_of(result: dict) -> str:
                                      if k.startswith("c") and k != "c1"][0]["value"]
     sched = (f", scheduler {single['scheduler_ms']:.1f} ms/step" if "scheduler_ms" in single
              else "")
+    compiles = {k: result[k].get("compiles") for k in result
+                if isinstance(result[k], dict) and result[k].get("compiles")}
+    compiled = f"; compiled during {compiles}" if compiles else ""
     return (f"server/raw {single['tok_s']:.2f}/{raw['tok_s']:.2f} tok/s"
             f" = {single['tok_s'] / raw['tok_s']:.3f}{sched}; aggregate {c1:.2f} -> {cn:.2f} "
             f"tok/s = {cn / c1:.2f}x; reused TTFT {reused['ttft_s'] * 1000:.0f} ms, step "
-            f"{reused['step_s'] * 1000:.0f} ms (cached {reused['cached_tokens']})")
+            f"{reused['step_s'] * 1000:.0f} ms (cached {reused['cached_tokens']}){compiled}")
 
 
 def _protocol(config: EngineBenchConfig, elapsed: float) -> dict:
@@ -315,12 +343,16 @@ def _values(name: str, result: dict, config: EngineBenchConfig) -> dict:
         single, raw = result["single"], result["raw"]
         return {"value": single["tok_s"] / raw["tok_s"], "raw_tok_s": raw["tok_s"],
                 "server_tok_s": single["tok_s"], **{k: single.get(k) for k in (
-                    "step_ms", "eval_ms", "scheduler_ms", "engine_steps")}, **loads}
+                    "step_ms", "eval_ms", "scheduler_ms", "engine_steps", "compiles",
+                    "compile_s")}, **loads}
     if name == "batch_scaling":
         one, many = result["c1"], result[f"c{config.clients}"]
         return {"value": many["value"] / one["value"], "c1_tok_s": one["value"],
                 f"c{config.clients}_tok_s": many["value"], "c1": one,
-                f"c{config.clients}": many, **loads}
+                "value_net_of_compile": _net_of_compile(many) / _net_of_compile(one),
+                f"c{config.clients}": many, **{f"{k}_{name}": part.get(k) for name, part in (
+                    ("c1", one), (f"c{config.clients}", many)) for k in ("compiles", "compile_s")},
+                **loads}
     reused, prof = result["reuse"], result["profile"]
     timings = reused.get("server_timings") or {}
     return {"value": reused["excess_ms"], "ttft_ms": 1000 * reused["ttft_s"],
@@ -331,8 +363,13 @@ def _values(name: str, result: dict, config: EngineBenchConfig) -> dict:
             **reused, "profile": prof, **loads}
 
 
+def _net_of_compile(aggregate: dict) -> float:
+    """An aggregate round's tok/s with the server's compile seconds taken out of its wall."""
+    return aggregate["completion_tokens"] / (aggregate["wall_s"] - aggregate.get("compile_s", 0))
+
+
 SUMMARIZED = {"server_overhead": ("raw_tok_s", "server_tok_s", "scheduler_ms", "eval_ms"),
-              "batch_scaling": ("c1_tok_s",),
+              "batch_scaling": ("c1_tok_s", "value_net_of_compile"),
               "reuse_ttft": ("ttft_ms", "step_ms", "evaluated_tokens", "server_prompt_ms",
                              "profile_adopt_ms", "profile_rest_ms", "profile_sample_ms",
                              "profile_step_ms", "cold_ttft_s")}

@@ -542,7 +542,13 @@ class Scheduler:
         return dict(queue_depth=len(self._fifo), active_requests=len(self._running),
                     active_sequences=sum(len(r.live) for r in list(self._running)),
                     pool=self.model.pool.stats(), pool_blocks=self.model.pool.num_blocks,
-                    **self.counters)
+                    **self._compiles(), **self.counters)
+
+    def _compiles(self) -> dict:
+        """Step programs the backend has compiled and their seconds (a compiling backend keeps
+        a `compile_log` of (shape, seconds)): a compile inside a step is part of its time."""
+        compiled = list(getattr(getattr(self.model, "backend", None), "compile_log", ()))
+        return dict(compiles=len(compiled), compile_seconds=sum(s for _, s in compiled))
 
     # -- engine side ---------------------------------------------------------------------------
 

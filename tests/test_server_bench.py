@@ -127,6 +127,8 @@ def test_engine_bench_against_kipp_serve(artifacts, tmp_path):
     scaling = loaded["batch_scaling"]
     assert scaling["value"] == scaling["c2_tok_s"] / scaling["c1_tok_s"] > 0
     assert scaling["c2"]["completion_tokens"] == 2 * config.max_tokens
+    assert scaling["compiles_c2"] == 0  # the reference backend compiles no step programs
+    assert scaling["value_net_of_compile"] == pytest.approx(scaling["value"])
     reuse = loaded["reuse_ttft"]
     assert reuse["cached_tokens"] == config.ttft_tokens - 1 and reuse["evaluated_tokens"] == 1
     assert reuse["value"] == pytest.approx(reuse["ttft_ms"] - reuse["step_ms"])
