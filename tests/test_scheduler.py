@@ -276,3 +276,18 @@ def test_speculative_scheduler_emits_plain_greedy_tokens(model):
     full = model.tokenizer.decode(greedy[-1])
     assert text == full[: full.index(model.tokenizer.decode(greedy[-1][5:7]))]
     assert scheduler.counters["spec_accepted"] > 0, "no draft was ever accepted"
+
+
+def test_step_counters_time_the_engine_and_count_compiles(model, monkeypatch):
+    """stats(): the step time covers the backend's eval time, and the compiles a backend logs
+    (JaxBackend.compile_log) are counted with their seconds; a backend with no log counts 0."""
+    scheduler = Scheduler(model)
+    assert scheduler.stats()["compiles"] == 0 and scheduler.stats()["compile_seconds"] == 0
+    scheduler.submit(Request(prompt=prompts(model)[0], max_tokens=3))
+    drive(scheduler)
+    s = scheduler.stats()
+    assert s["steps"] >= 3 and s["step_seconds"] >= s["eval_seconds"] > 0
+    monkeypatch.setattr(model.backend, "compile_log", [("T=1", 1.5), ("T=16", 2.0)],
+                        raising=False)
+    s = scheduler.stats()
+    assert s["compiles"] == 2 and s["compile_seconds"] == pytest.approx(3.5)
