@@ -10,6 +10,8 @@
     campaign  the sized campaign for this machine: ceiling, run, ppl, interop, report
     server    the server workloads (concurrent streaming clients, prefix-reuse TTFT) against
               kipp serve, llama-cpp-python's server and vLLM's, same client (bench/server_bench.py)
+    engine    Kipp against itself in one run: server vs raw step rate, batch scaling, reused-
+              prompt TTFT vs one decode step (bench/engine_bench.py)
     kernels   compile every Pallas kernel at every registry shape for an H200 (no GPU needed):
               registers, spills, shared memory, tensor-core dots, roofline (bench/kernels.py)
 """
@@ -267,6 +269,30 @@ def cmd_server(args, argv) -> int:
     return server_bench.exit_status(paths)
 
 
+def cmd_engine(args, argv) -> int:
+    from bench import engine_bench
+
+    config = engine_bench.EngineBenchConfig(
+        checkpoint=args.checkpoint, scheme=args.scheme, backend=args.backend,
+        rounds=args.rounds, warmup=args.warmup, decode_tokens=args.decode_tokens,
+        prompt_tokens=args.prompt_tokens, clients=args.clients, max_tokens=args.max_tokens,
+        ttft_tokens=args.ttft_tokens, reuse_tokens=args.reuse_tokens,
+        threads=_threads(args.threads),
+        expect_path=tuple(_list(args.expect_path)) if args.expect_path else None,
+        kipp_source=Path(args.kipp_source) if args.kipp_source else None,
+        results=Path(args.results), logs=Path(args.logs), command=_command(argv))
+    paths = engine_bench.run(config)
+    for path in paths:
+        print("\n".join(engine_bench.summary_lines(path)))
+    return 0 if all(json_ok(path) for path in paths) else 3
+
+
+def json_ok(path) -> bool:
+    import json
+
+    return all(arm["status"] == "ok" for arm in json.loads(Path(path).read_text())["arms"])
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -356,6 +382,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
+    p = sub("engine", "Kipp against itself: server vs raw, batch scaling, reused-prompt TTFT",
+            schemes=None)
+    p.add_argument("--scheme", default="bf16")
+    p.add_argument("--backend", default="jax")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--decode-tokens", type=int, default=32, help="raw and single stream")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--clients", type=int, default=8, help="the batched aggregate round")
+    p.add_argument("--max-tokens", type=int, default=64, help="per aggregate client")
+    p.add_argument("--ttft-tokens", type=int, default=2000, help="the repeated prompt")
+    p.add_argument("--reuse-tokens", type=int, default=8, help="decode steps after the reuse")
+    p.add_argument("--threads", type=int, default=None, help="default: usable cores")
+    p.add_argument("--expect-path", default=None, metavar="WORDS",
+                   help="words the backend's describe() must contain, e.g. twin (JAX on a CPU)")
+    p.add_argument("--kipp-source", default=None, metavar="DIR",
+                   help="run the server and worker on this checkout's kipp package (before)")
+    p.add_argument("--logs", default="/tmp/kipp-bench-logs")
     p = sub("kernels", "H200 compile report of every kernel shape", checkpoint=False,
             schemes=None, results=False)
     p.add_argument("--only", default="", help="cases whose id or checkpoints contain this")
@@ -375,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench import kernels
 
         return kernels.main(args, _command(argv))
-    return {"run": cmd_run, "ceiling": cmd_ceiling, "ppl": cmd_ppl,
-            "interop": cmd_interop, "server": cmd_server}[args.command](args, argv)
+    return {"run": cmd_run, "ceiling": cmd_ceiling, "ppl": cmd_ppl, "interop": cmd_interop,
+            "server": cmd_server, "engine": cmd_engine}[args.command](args, argv)
 
 
 if __name__ == "__main__":

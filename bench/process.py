@@ -51,15 +51,18 @@ def worker_env(spec: ArmSpec) -> dict[str, str]:
 
 
 class ArmProcess:
-    """`python -m bench.worker` for one arm; its stderr goes to `log`."""
+    """`python -m bench.worker` for one arm; its stderr goes to `log`; `env` adds to (and
+    overrides) the arm's environment; `cwd` (first on its sys.path) defaults to the repo."""
 
-    def __init__(self, spec: ArmSpec, python: str, log: Path):
+    def __init__(self, spec: ArmSpec, python: str, log: Path,
+                 env: dict[str, str] | None = None, cwd: Path = REPO):
         self.spec = spec
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(log, "wb")
-        self.proc = subprocess.Popen([python, "-m", "bench.worker"], cwd=REPO,
-                                     env=worker_env(spec), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, "-m", "bench.worker"], cwd=cwd,
+                                     env={**worker_env(spec), **(env or {})},
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log_file,
                                      start_new_session=True)  # its group: vLLM's children too
         self._replies: queue.Queue = queue.Queue()

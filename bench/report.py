@@ -252,6 +252,7 @@ def render(all_records: list[tuple[Path, dict]], plot_name: str | None) -> str:
         out += ["", f"Checkpoint `{record['checkpoint']['id']}`; record `results/{path.name}`.",
                 ""] + server_lines(record)
         out += ["", f"Command: `{record['command']}`", ""]
+    out += engine_section(all_records)
     found = records.latest(all_records, "throughput", "spec")
     out.append("### Speculative decoding (greedy, prompt lookup)")
     if found is None:
@@ -295,6 +296,61 @@ def server_lines(record: dict) -> list[str]:
         lines.append(f"| {arm['arm']} | {_cell(arm, footnotes)} | {detail} |")
     return lines + ([""] + [f"[{i}] {n}" for i, n in enumerate(footnotes, 1)]
                     if footnotes else [])
+
+
+ENGINE_WORKLOADS = (
+    ("server_overhead", "Engine: server single stream vs the raw backend step rate",
+     {"raw_tok_s": "raw tok/s", "server_tok_s": "server tok/s",
+      "scheduler_ms": "scheduler ms/step"}),
+    ("batch_scaling", "Engine: batched decode, aggregate of N streams vs one",
+     {"c1_tok_s": "1 client tok/s", "c8_tok_s": "8 clients tok/s",
+      "value_net_of_compile": "x, compile seconds taken out"}),
+    ("reuse_ttft", "Engine: reused-prompt TTFT above one decode step",
+     {"ttft_ms": "reused TTFT ms", "step_ms": "decode step ms",
+      "evaluated_tokens": "tokens evaluated", "profile_rest_ms": "worker: rest ms",
+      "profile_step_ms": "worker: step ms", "profile_adopt_ms": "worker: adopt ms",
+      "profile_sample_ms": "worker: sample ms", "cold_ttft_s": "cold TTFT s"}),
+)
+
+
+def engine_section(all_records: list[tuple[Path, dict]]) -> list[str]:
+    """`bench engine`'s three workloads: every record, newest first (before and after runs of
+    the same protocol, told apart by the Kipp commit each measured)."""
+    out = []
+    for workload, title, columns in ENGINE_WORKLOADS:
+        found = [(p, r) for p, r in reversed(all_records) if r["type"] == "throughput"
+                 and r.get("workload", {}).get("name") == workload]
+        out.append(f"### {title}")
+        if not found:
+            out += ["", "Not yet measured.", ""]
+            continue
+        w = found[0][1]["workload"]
+        out += ["", f"{w['description']}; goal {w['goal']} {w['unit']}. One row per record "
+                    f"(`python -m bench engine`), newest first.", ""]
+        out += [f"| Kipp measured | {w['unit']} (median ± MAD) | "
+                + " | ".join(columns.values()) + " | load avg | record |",
+                "| --- " * (len(columns) + 4) + "|"]
+        for path, record in found:
+            out.append(_engine_row(path, record, columns))
+        out += [""] + [f"- `results/{p.name}`: `{r['command']}`" for p, r in found] + [""]
+    return out
+
+
+def _engine_row(path: Path, record: dict, columns: dict) -> str:
+    arm = record["arms"][0]
+    kipp = record.get("kipp") or {}
+    who = f"`{(kipp.get('commit') or '?')[:10]}`{' (dirty)' if kipp.get('dirty') else ''}"
+    if arm["status"] != "ok":
+        return (f"| {who} | {arm['status']}: {_one_line(arm.get('reason', ''), 120)} | "
+                + " | ".join("–" for _ in columns) + f" | | `{path.name}` |")
+    summaries = arm.get("summaries", {})
+    cells = [f"{sig(summaries[k]['median'])} ± {sig(summaries[k]['mad'], 2)}" if k in summaries
+             else "–" for k in columns]
+    loads = [x for run in arm["runs"] for x in (run["loadavg_before"][0],
+                                                run["loadavg_after"][0])]
+    s = arm["summary"]
+    return (f"| {who} | {sig(s['median'])} ± {sig(s['mad'], 2)} (n={s['n']}) | "
+            + " | ".join(cells) + f" | {min(loads):.1f}-{max(loads):.1f} | `{path.name}` |")
 
 
 def spec_lines(record: dict) -> list[str]:

@@ -227,7 +227,7 @@ def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
 class RunningServer:
     """One started server process (group); `stop()` always ends it and its children."""
 
-    def __init__(self, spec: ServerSpec, log: Path):
+    def __init__(self, spec: ServerSpec, log: Path, cwd: Path = REPO):
         self.spec = spec
         self.log = log
         self.model_id: str | None = None
@@ -237,7 +237,7 @@ class RunningServer:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(log, "wb")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(spec.command, cwd=REPO, env=_env(spec.env),
+        self.proc = subprocess.Popen(spec.command, cwd=cwd, env=_env(spec.env),
                                      stdin=subprocess.DEVNULL, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 

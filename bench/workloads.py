@@ -14,6 +14,10 @@ server by `python -m bench server` (bench/server_bench.py), not by `run`'s in-pr
     server_aggregate   aggregate decode tok/s with 1/2/4/8 concurrent clients against each
                        engine's own HTTP server (Kipp's, llama.cpp's, vLLM's)
     ttft_prefix        time to first token of a 2,000-token prompt sent twice (prefix reuse)
+
+and one that `python -m bench engine` (bench/engine_bench.py) runs in a Kipp worker:
+
+    reuse_profile      a repeated prompt's adopt / evaluate-the-rest / sample / decode-step times
 """
 
 from __future__ import annotations
@@ -68,7 +72,16 @@ def measure_prefill(engine, prompt: list[int], params: Mapping[str, int]) -> dic
     return {"value": rate(len(prompt), seconds), "seconds": seconds, "tokens": len(prompt)}
 
 
-MEASURE: Mapping[str, Callable] = {"decode": measure_decode, "prefill": measure_prefill}
+def measure_reuse_profile(engine, prompt: list[int], params: Mapping[str, int]) -> dict:
+    """Kipp only: a repeated prompt's adopt / evaluate-the-rest / sample / decode-step times
+    (KippEngine.reuse_profile); the value is the rest's evaluation over one decode step."""
+    ban = [int(t) for t in params.get("ban", ())]
+    timing = engine.reuse_profile(prompt, ban)
+    return {"value": timing["rest_seconds"] / timing["step_seconds"], **timing}
+
+
+MEASURE: Mapping[str, Callable] = {"decode": measure_decode, "prefill": measure_prefill,
+                                   "reuse_profile": measure_reuse_profile}
 
 WORKLOADS: Mapping[str, Workload] = {
     w.name: w
@@ -83,6 +96,11 @@ WORKLOADS: Mapping[str, Workload] = {
                  {"prompt_tokens": 16, "decode_tokens": 128, "clients": 8}, planned=True),
         Workload("ttft_prefix", "ttft", "time to first token of a repeated 2,000-token prompt",
                  {"prompt_tokens": 2000, "repeats": 2}, unit="s", higher_is_better=False,
+                 planned=True),
+        Workload("reuse_profile", "reuse_profile",
+                 "a repeated prompt's adopt, evaluate-the-rest, sample and decode-step times "
+                 "(Kipp only, run by `python -m bench engine`)",
+                 {"prompt_tokens": 2000}, unit="x one decode step", higher_is_better=False,
                  planned=True),
     )
 }

@@ -12,13 +12,26 @@ its 32 token ids. A hash hit alone is never trusted: the stored tokens must be e
 stored parent must be the very publication matched one block earlier (publication serials are
 never reused), so by induction the whole prefix is verified token by token.
 
+Tails: a sequence that ends mid-block can also publish that last, partial block (`publish(...,
+tail=True)`, what a closing session does), keyed by its parent publication and holding its
+1..31 tokens. A later prompt whose leading full blocks matched up to that parent takes over,
+with `match_tail`, a cached block continuing them: the tail that agrees with it longest, or a
+full block that holds all of the prompt's remaining tokens (a finished sequence's prompt end
+and what it generated after it; never for a partial agreement, since a full block may head a
+longer cached chain). The block leaves the cache and becomes the adopter's private block, for
+the agreeing tokens only (it writes its next positions there; what lies past them is never
+read), so a repeated prompt evaluates only its last token. Only an unreferenced cached block is
+taken, so nobody else's KV changes and no copy is needed.
+
 Typical use by a session and the scheduler:
 
     table = pool.match_prefix(prompt, max_blocks=(len(prompt) - 1) // BLOCK_SIZE)
+    tail, n = pool.match_tail(prompt, table, limit=len(prompt) - 1 - len(table) * BLOCK_SIZE)
+    table += [tail] if tail is not None else []          # n more tokens' KV, privately
     res = pool.reserve(worst_case_blocks - len(table))   # admission; PoolExhausted = wait
     table += pool.allocate(blocks_needed(len(prompt)) - len(table), reservation=res)
     ...                                                  # decode: allocate(1, reservation=res)
-    pool.publish(tokens_with_kv, table)                  # at finish, before releasing
+    pool.publish(tokens_with_kv, table, tail=True)       # at finish, before releasing
     pool.release(table, reservation=res)
     res.release()
 """
@@ -69,6 +82,12 @@ class _Published:
     serial: int
 
 
+@dataclass(frozen=True)
+class _Tail:
+    parent: int | None  # serial of the full block before it; None when it holds position 0
+    tokens: tuple[int, ...]  # 1..31 tokens whose KV the block holds from its first position
+
+
 class Reservation:
     """Blocks promised to one admitted request; nobody else's allocate or match can take them.
 
@@ -107,9 +126,13 @@ class BlockPool:
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, oldest first
         self._meta: dict[int, _Published] = {}  # published block -> what it holds
         self._by_hash: dict[bytes, int] = {}  # digest -> published block
+        self._tails: dict[int, _Tail] = {}  # published partial block -> what it holds
+        self._tails_by_parent: dict[int | None, set[int]] = {}
+        self._children: dict[int | None, set[int]] = {}  # parent serial -> full blocks
         self._serials = itertools.count(1)
         self._reserved = 0
         self.hits = self.hit_tokens = self.published = self.evictions = 0
+        self.tail_hits = 0
 
     num_blocks = property(lambda self: self._num_blocks)
     num_free = property(lambda self: len(self._free))
@@ -163,20 +186,23 @@ class BlockPool:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 freed += 1
-                if b in self._meta:
+                if b in self._meta or b in self._tails:
                     self._lru[b] = None
                 else:
                     self._free.append(b)
         if reservation is not None:
             reservation._credit(freed)
 
-    def publish(self, tokens: Sequence[int], block_table: Sequence[int]) -> int:
+    def publish(self, tokens: Sequence[int], block_table: Sequence[int],
+                tail: bool = False) -> int:
         """Register the sequence's full blocks as cache; returns how many were newly published.
 
         `tokens` are those whose KV is in the blocks; only the first len(tokens) // 32 blocks
         (the full ones) are published. Where identical content is already published, that copy
-        is kept and the sequence's duplicate stays private (freed on its release). Call before
-        releasing the blocks: each must still be in use.
+        is kept and the sequence's duplicate stays private (freed on its release). With
+        `tail`, the partial block after them is published too (only by a sequence that is
+        ending: the block must not change afterwards), when the whole chain before it is.
+        Call before releasing the blocks: each must still be in use.
         """
         full = len(tokens) // BLOCK_SIZE
         if len(block_table) < full:
@@ -199,10 +225,59 @@ class BlockPool:
                     break  # already published under another chain; never publish a block twice
                 self._meta[b] = _Published(digest, chunk, parent, next(self._serials))
                 self._by_hash[digest] = owner = b
+                self._children.setdefault(parent, set()).add(b)
                 new += 1
             parent = self._meta[owner].serial
+        else:
+            if tail and len(tokens) > full * BLOCK_SIZE:
+                self._publish_tail(tokens[full * BLOCK_SIZE:], block_table[full], parent)
         self.published += new
         return new
+
+    def _publish_tail(self, tokens: Sequence[int], b: int, parent: int | None) -> None:
+        if self._ref[b] != 1 or b in self._meta or b in self._tails:
+            return  # only a private block of the ending sequence becomes a tail
+        entry = _Tail(parent, tuple(tokens))
+        siblings = self._tails_by_parent.setdefault(parent, set())
+        if any(self._tails[t] == entry for t in siblings):
+            return  # the same tail is cached already; this copy is freed on release
+        self._tails[b] = entry
+        siblings.add(b)
+
+    def match_tail(self, tokens: Sequence[int], table: Sequence[int],
+                   limit: int) -> tuple[int | None, int]:
+        """Take over a cached block continuing `table` (what match_prefix returned for `tokens`).
+
+        Returns (block, n): of the unreferenced cached blocks whose parent is the table's last
+        block, the tail whose tokens agree longest with the tokens after the table, or a full
+        block agreeing with all of them (the prompt ends in it), now a private block of the
+        caller (refcount 1, out of the cache, its first n positions valid), and n = that
+        agreement (capped at `limit`: leave at least one token to evaluate; at most 31);
+        (None, 0) when none agrees. Like match_prefix, it only takes unreserved headroom;
+        release the block like any allocated one.
+        """
+        start = len(table) * BLOCK_SIZE
+        parent = self._meta[table[-1]].serial if table else None
+        rest = tuple(tokens[start:start + min(limit, BLOCK_SIZE - 1)])
+        best, agree = None, 0
+        for b in self._tails_by_parent.get(parent, ()):
+            n = _common_prefix(self._tails[b].tokens, rest)
+            if n > agree and self._ref[b] == 0:
+                best, agree = b, n
+        for b in self._children.get(parent, ()):
+            # A full block may head a longer cached chain: take it only for a prompt that ends
+            # in it, agreeing all the way (a repeated prompt), never to save a few tokens.
+            if rest and self._ref[b] == 0 and self._meta[b].tokens[:len(rest)] == rest:
+                best, agree = b, len(rest)
+                break
+        if best is None or self._headroom() == 0:
+            return None, 0
+        del self._lru[best]
+        self._unpublish(best)
+        self._ref[best] = 1
+        self.tail_hits += 1
+        self.hit_tokens += agree
+        return best, agree
 
     def match_prefix(self, tokens: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """Adopt the longest run of published blocks equal to the leading full blocks of tokens.
@@ -235,9 +310,10 @@ class BlockPool:
 
     def stats(self) -> dict[str, int]:
         """Counters and occupancy for /metrics."""
-        return dict(hits=self.hits, hit_tokens=self.hit_tokens, published=self.published,
-                    evictions=self.evictions, free=self.num_free, evictable=self.num_evictable,
-                    in_use=self.num_in_use, reserved=self._reserved)
+        return dict(hits=self.hits, hit_tokens=self.hit_tokens, tail_hits=self.tail_hits,
+                    published=self.published, evictions=self.evictions, free=self.num_free,
+                    evictable=self.num_evictable, in_use=self.num_in_use,
+                    reserved=self._reserved)
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call this after every step)."""
@@ -248,12 +324,23 @@ class BlockPool:
             assert ref >= 0, f"block {b} has refcount {ref}"
             states = (ref > 0) + (b in free) + (b in lru)
             assert states == 1, f"block {b} is in {states} states, not exactly one"
-            assert b not in lru or b in self._meta, f"evictable block {b} is not published"
-            assert b not in free or b not in self._meta, f"free block {b} is still published"
+            published = b in self._meta or b in self._tails
+            assert b not in lru or published, f"evictable block {b} is not published"
+            assert b not in free or not published, f"free block {b} is still published"
+            assert not (b in self._meta and b in self._tails), f"block {b} is full and a tail"
         assert len(self._by_hash) == len(self._meta), "hash map and published blocks disagree"
         for b, meta in self._meta.items():
             assert self._by_hash[meta.digest] == b, f"block {b} not registered under its digest"
             assert len(meta.tokens) == BLOCK_SIZE, f"published block {b} is not full"
+        listed = [b for blocks in self._tails_by_parent.values() for b in blocks]
+        assert sorted(listed) == sorted(self._tails), "tail index and tails disagree"
+        children = [b for blocks in self._children.values() for b in blocks]
+        assert sorted(children) == sorted(self._meta), "child index and full blocks disagree"
+        for b, meta in self._meta.items():
+            assert b in self._children[meta.parent], f"block {b} under the wrong parent"
+        for b, tail in self._tails.items():
+            assert 0 < len(tail.tokens) < BLOCK_SIZE, f"tail block {b} holds {len(tail.tokens)}"
+            assert b in self._tails_by_parent[tail.parent], f"tail {b} under the wrong parent"
         assert 0 <= self._reserved <= self.num_available, "reservations exceed available blocks"
 
     def _headroom(self) -> int:
@@ -281,4 +368,23 @@ class BlockPool:
         self.evictions += 1
 
     def _unpublish(self, b: int) -> None:
-        del self._by_hash[self._meta.pop(b).digest]
+        if b in self._tails:
+            parent = self._tails.pop(b).parent
+            self._tails_by_parent[parent].discard(b)
+            if not self._tails_by_parent[parent]:
+                del self._tails_by_parent[parent]
+            return
+        meta = self._meta.pop(b)
+        del self._by_hash[meta.digest]
+        self._children[meta.parent].discard(b)
+        if not self._children[meta.parent]:
+            del self._children[meta.parent]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

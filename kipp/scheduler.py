@@ -376,7 +376,7 @@ class Scheduler:
         self._drain_deadline: float | None = None  # time.monotonic() when draining
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
                              reused_tokens=0, generated_tokens=0, steps=0, spec_drafted=0,
-                             spec_accepted=0)
+                             spec_accepted=0, step_seconds=0.0, eval_seconds=0.0)
 
     # -- caller side (any thread) -------------------------------------------------------------
 
@@ -542,7 +542,13 @@ class Scheduler:
         return dict(queue_depth=len(self._fifo), active_requests=len(self._running),
                     active_sequences=sum(len(r.live) for r in list(self._running)),
                     pool=self.model.pool.stats(), pool_blocks=self.model.pool.num_blocks,
-                    **self.counters)
+                    **self._compiles(), **self.counters)
+
+    def _compiles(self) -> dict:
+        """Step programs the backend has compiled and their seconds (a compiling backend keeps
+        a `compile_log` of (shape, seconds)): a compile inside a step is part of its time."""
+        compiled = list(getattr(getattr(self.model, "backend", None), "compile_log", ()))
+        return dict(compiles=len(compiled), compile_seconds=sum(s for _, s in compiled))
 
     # -- engine side ---------------------------------------------------------------------------
 
@@ -568,6 +574,7 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduler step: reap cancellations, admit, run one batched eval, sample.
         Returns whether anything was evaluated. Called by the engine thread (or a test)."""
+        started = time.perf_counter()
         self._reap_cancelled()
         self._reap_draining()
         self._admit()
@@ -577,7 +584,9 @@ class Scheduler:
             self._finish_ended()  # echo with max_tokens 0 ends without a decode step
             return False
         try:
+            evaluating = time.perf_counter()
             results = self._evaluate(batch)
+            self.counters["eval_seconds"] += time.perf_counter() - evaluating
         except Exception as e:  # sessions are unchanged (eval_batch); fail only this batch
             log.exception("batched eval failed")
             for run in {id(c.run): c.run for c, _ in batch}.values():
@@ -601,6 +610,7 @@ class Scheduler:
             prefetch(self._prefetch)
             self._prefetch = []
         self._finish_ended()
+        self.counters["step_seconds"] += time.perf_counter() - started  # the steps counted
         return True
 
     def _finish_ended(self) -> None:
@@ -689,8 +699,9 @@ class Scheduler:
         if run.adopts and not run.scores_prompt:  # scoring needs every prompt row's logits
             run.cached_tokens = leader.match_prefix(request.prompt)
         # Followers adopt the leader's prompt blocks once it has evaluated them, but a follower
-        # may find fewer (evicted, or a live duplicate), so it is reserved in full.
-        worst = request.n * blocks_needed(capacity) - leader.shared_blocks
+        # may find fewer (evicted, or a live duplicate), so it is reserved in full. The
+        # leader's adopted blocks (shared ones and a cached tail) come from the cache.
+        worst = request.n * blocks_needed(capacity) - len(leader.block_table)
         try:
             run.reservation = model.pool.reserve(worst)
         except PoolExhausted:

@@ -1,8 +1,9 @@
 """Sessions: one sequence's timeline over the shared KV block pool.
 
 A session holds the tokens it has evaluated and its block table. It allocates private blocks as it
-grows, can adopt published blocks for a matching prompt prefix, truncates back to a prefix
-(speculative rollback) and, when closed, publishes its full blocks so later sessions can adopt
+grows, can adopt published blocks for a matching prompt prefix (then, privately, a cached block
+holding the prompt's next tokens: kipp.blocks' tails), truncates back to a prefix (speculative rollback) and,
+when closed, publishes its full blocks and its partial last one so later sessions can adopt
 them. Every method either completes or leaves the session exactly as it was.
 """
 
@@ -117,18 +118,24 @@ class Session:
     def match_prefix(self, tokens: Sequence[int]) -> int:
         """Adopt published blocks covering a prefix of `tokens`; return the tokens adopted.
 
-        Only on an empty session. At least one token is always left to evaluate, so the caller
-        gets logits for the prompt's last token. The caller then evals tokens[adopted:].
+        Only on an empty session. The full blocks are shared; a cached block that continues
+        them (a finished sequence's last one) is taken over privately for the tokens it agrees
+        on (BlockPool.match_tail). At least one token is always left to evaluate, so the caller gets logits
+        for the prompt's last token. The caller then evals tokens[adopted:].
         """
         self._check_open()
         if self.tokens:
             raise SessionError("match_prefix needs an empty session")
         tokens = self.model.check_tokens(tokens)
-        limit = min(len(tokens) - 1, self.capacity) // BLOCK_SIZE
-        blocks = self.model.pool.match_prefix(tokens, max_blocks=limit)
+        usable = min(len(tokens) - 1, self.capacity)
+        pool = self.model.pool
+        blocks = pool.match_prefix(tokens, max_blocks=usable // BLOCK_SIZE)
         self.block_table = list(blocks)
         self.shared_blocks = len(blocks)
-        self.tokens = list(tokens[: len(blocks) * BLOCK_SIZE])
+        tail, n = pool.match_tail(tokens, blocks, usable - len(blocks) * BLOCK_SIZE)
+        if tail is not None:
+            self.block_table.append(tail)
+        self.tokens = list(tokens[: len(blocks) * BLOCK_SIZE + n])
         return len(self.tokens)
 
     def truncate(self, length: int) -> None:
@@ -162,7 +169,7 @@ class Session:
         if self.closed:
             return
         if publish and self.tokens:
-            self.model.pool.publish(self.tokens, self.block_table)
+            self.model.pool.publish(self.tokens, self.block_table, tail=True)
         self.tokens = []
         self._shrink_table(0)
         self.closed = True

@@ -303,6 +303,158 @@ def test_publish_requires_live_blocks_and_full_table():
     pool.check()
 
 
+def finish_with_tail(pool, tokens, table):
+    """What a closing session does: publish full blocks and the partial last one, release."""
+    pool.publish(tokens, table, tail=True)
+    pool.release(table)
+    pool.check()
+
+
+def adopt(pool, tokens, limit=None):
+    """A session's match_prefix: full blocks, then a tail; (table, adopted tokens)."""
+    usable = len(tokens) - 1
+    table = pool.match_prefix(tokens, max_blocks=usable // BLOCK_SIZE)
+    tail, n = pool.match_tail(tokens, table, usable - len(table) * BLOCK_SIZE
+                              if limit is None else limit)
+    pool.check()
+    return table + ([tail] if tail is not None else []), len(table) * BLOCK_SIZE + n
+
+
+def test_tail_is_adopted_privately_and_leaves_one_token():
+    pool = BlockPool(8)
+    tokens = seq(2, extra=10)
+    table = pool.allocate(3)
+    finish_with_tail(pool, tokens, table)
+    assert pool.num_evictable == 3 and pool.stats()["tail_hits"] == 0
+
+    got, adopted = adopt(pool, tokens)
+    assert got == table and adopted == len(tokens) - 1  # the last token is left to evaluate
+    assert [pool._ref[b] for b in got] == [1, 1, 1] and table[2] not in pool._lru
+    assert pool.stats()["tail_hits"] == 1 and pool.hit_tokens == 2 * BLOCK_SIZE + 9
+    # Private: a second adopter finds the full blocks only.
+    other, n = adopt(pool, tokens)
+    assert other == table[:2] and n == 2 * BLOCK_SIZE
+    pool.release(other)
+    # Released without publishing, the old tail is an ordinary private block: freed.
+    pool.release(got)
+    pool.check()
+    assert pool.num_evictable == 2 and pool.num_free == 6
+    assert adopt(pool, tokens)[1] == 2 * BLOCK_SIZE
+
+
+def test_tail_agreement_and_limit():
+    pool = BlockPool(8)
+    tokens = seq(1, extra=20)
+    first = pool.allocate(2)
+    finish_with_tail(pool, tokens, first)
+    longer = tokens[:BLOCK_SIZE + 12] + [999] + tokens[BLOCK_SIZE + 13:]
+    got, n = adopt(pool, longer)
+    assert got == first and n == BLOCK_SIZE + 12  # only the 12 tokens that agree
+    pool.release(got)
+    pool.check()
+
+    # Later sequences share the first block and leave tails of their own.
+    table = first[:1] + pool.allocate(1)
+    pool._ref[first[0]] += 1
+    finish_with_tail(pool, tokens, table)
+    got, n = adopt(pool, tokens, limit=5)
+    assert got == table and n == BLOCK_SIZE + 5
+    pool.release(got)
+    table = pool.match_prefix(tokens) + pool.allocate(1)
+    finish_with_tail(pool, tokens, table)
+    # Nothing in common past the full block, or no room left: no tail taken.
+    assert adopt(pool, tokens[:BLOCK_SIZE] + [999] * 20) == (table[:1], BLOCK_SIZE)
+    pool.release(table[:1])
+    assert adopt(pool, tokens, limit=0) == (table[:1], BLOCK_SIZE)
+    pool.release(table[:1])
+    pool.check()
+
+
+def test_tail_needs_its_exact_parent_chain():
+    pool = BlockPool(8)
+    tokens = seq(2, extra=4)
+    table = pool.allocate(3)
+    finish_with_tail(pool, tokens, table)
+    # Same tail tokens after a different second block: another chain, no tail.
+    other = tokens[:BLOCK_SIZE] + [7] * BLOCK_SIZE + tokens[2 * BLOCK_SIZE:]
+    got, n = adopt(pool, other)
+    assert got == table[:1] and n == BLOCK_SIZE
+    pool.release(got)
+    # A prompt shorter than one block has a root tail (parent None).
+    short = pool.allocate(1)
+    finish_with_tail(pool, seq(0, extra=9, start=500), short)
+    assert adopt(pool, seq(0, extra=9, start=500)) == (short, 8)
+    pool.check()
+
+
+def test_tail_rules_on_publish():
+    pool = BlockPool(8)
+    tokens = seq(1, extra=3)
+    # Not the ending sequence's private block (shared by two): not published as a tail.
+    table = pool.allocate(2)
+    pool._ref[table[1]] += 1
+    pool.publish(tokens, table, tail=True)
+    assert table[1] not in pool._tails
+    pool._ref[table[1]] -= 1
+    pool.release(table)
+    pool.check()
+    # The same tail twice: one copy is cached, the duplicate freed on release.
+    a, b = pool.match_prefix(tokens) + pool.allocate(1), pool.match_prefix(tokens) + \
+        pool.allocate(1)
+    pool.publish(tokens, a, tail=True)
+    pool.publish(tokens, b, tail=True)
+    pool.release(a)
+    pool.release(b)
+    pool.check()
+    assert a[1] in pool._tails and b[1] not in pool._tails and b[1] in pool._free
+    # Publishing a chain that breaks off (a live colliding block) publishes no tail.
+    assert pool.stats()["tail_hits"] == 0
+
+
+def test_an_unreferenced_full_block_is_taken_over_for_the_tokens_that_agree():
+    """A finished sequence whose generated tokens filled its prompt's last block left it full:
+    the same prompt again takes that block over privately (out of the cache) for the prompt's
+    tokens in it; a prompt of exactly two blocks keeps its last token to evaluate."""
+    pool = BlockPool(8)
+    finished = seq(2)  # a 52-token prompt and 12 generated tokens
+    table = pool.allocate(2)
+    finish_with_tail(pool, finished, table)
+    prompt = finished[:BLOCK_SIZE + 20]
+    got, n = adopt(pool, prompt)
+    assert got == table and n == len(prompt) - 1
+    assert table[1] not in pool._meta and pool._ref[table[1]] == 1  # no longer cached
+    pool.release(got)
+    pool.check()
+    assert pool.num_free == 7 and adopt(pool, prompt) == (table[:1], BLOCK_SIZE)
+    pool.release(table[:1])
+    # A prompt that leaves the full block's tokens early does not break the cached chain.
+    table = pool.match_prefix(finished) + pool.allocate(1)
+    finish_with_tail(pool, finished, table)
+    early = finished[:BLOCK_SIZE + 5] + [999] * 10
+    assert adopt(pool, early) == (table[:1], BLOCK_SIZE) and table[1] in pool._meta
+    pool.release(table[:1])
+    pool.check()
+
+    got, n = adopt(pool, finished)  # 64 tokens: one full block shared, 31 of the next taken
+    assert got == table and n == 2 * BLOCK_SIZE - 1
+    # A block someone still uses is never taken.
+    other, m = adopt(pool, finished)
+    assert other == table[:1] and m == BLOCK_SIZE
+    pool.release(other)
+    pool.release(got)
+    pool.check()
+
+
+def test_tails_are_evicted_before_their_prefix():
+    pool = BlockPool(3)
+    table = pool.allocate(3)
+    finish_with_tail(pool, seq(2, extra=5), table)
+    assert list(pool._lru) == [table[2], table[1], table[0]]
+    assert pool.allocate(1) == [table[2]] and table[2] not in pool._tails
+    pool.check()
+    assert adopt(pool, seq(2, extra=5))[1] == 2 * BLOCK_SIZE
+
+
 def test_hash_is_stable():
     h0 = blocks.block_hash(None, list(range(BLOCK_SIZE)))
     assert h0 == blocks.block_hash(None, tuple(range(BLOCK_SIZE)))
@@ -318,25 +470,30 @@ def test_random_stress(seed, monkeypatch):
     pool = BlockPool(24)
     prefixes = [[rng.randrange(4) for _ in range(3 * BLOCK_SIZE)] for _ in range(3)]
     live = []  # (tokens, table, reservation)
+    holds = {}  # block -> the token at each of its positions (what its KV was computed for)
 
-    def content(tokens, table):
-        # Every matched block must hold exactly the tokens at its position.
-        for i, b in enumerate(table):
-            assert pool._meta[b].tokens == tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+    def content(tokens, table, adopted):
+        # Every adopted position must hold exactly the prompt's token there.
+        for p in range(adopted):
+            assert holds[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] == tokens[p]
 
     for _ in range(600):
         if live and (rng.random() < 0.4 or pool.num_available - pool.reserved < 4):
             tokens, table, res = live.pop(rng.randrange(len(live)))
             if rng.random() < 0.8:
-                pool.publish(tokens, table)
+                pool.publish(tokens, table, tail=rng.random() < 0.7)
             pool.release(table, reservation=res)
             res.release()
         else:
             tokens = rng.choice(prefixes)[: rng.randrange(3 * BLOCK_SIZE)]
-            tokens += [rng.randrange(4) for _ in range(rng.randrange(3 * BLOCK_SIZE))]
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 3 * BLOCK_SIZE))]
             need = blocks_needed(len(tokens))
-            table = pool.match_prefix(tokens, max_blocks=max(len(tokens) - 1, 0) // BLOCK_SIZE)
-            content(tokens, table)
+            usable = len(tokens) - 1
+            table = pool.match_prefix(tokens, max_blocks=usable // BLOCK_SIZE)
+            tail, n = pool.match_tail(tokens, table, usable - len(table) * BLOCK_SIZE)
+            adopted = len(table) * BLOCK_SIZE + n
+            table += [tail] if tail is not None else []
+            content(tokens, table, adopted)
             try:
                 res = pool.reserve(need - len(table))
             except PoolExhausted:
@@ -346,6 +503,9 @@ def test_random_stress(seed, monkeypatch):
             while len(table) < need:  # grow a block or two at a time, like prefill chunks
                 table += pool.allocate(min(rng.randrange(1, 3), need - len(table)), reservation=res)
             assert res.remaining == 0 and len(set(table)) == len(table)
+            for p in range(adopted, len(tokens)):  # "evaluate" the rest: write its KV
+                holds.setdefault(table[p // BLOCK_SIZE], [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = \
+                    tokens[p]
             live.append((tokens, table, res))
         pool.check()
 
@@ -356,7 +516,7 @@ def test_random_stress(seed, monkeypatch):
     pool.check()
     assert pool.num_in_use == 0 and pool.reserved == 0
     assert pool.num_free + pool.num_evictable == pool.num_blocks
-    assert pool.hits > 0 and pool.published > 0
+    assert pool.hits > 0 and pool.published > 0 and (seed == 4 or pool.tail_hits > 0)
 
 
 def test_misuse_is_rejected():

@@ -140,6 +140,32 @@ def test_steady_state_decode_does_not_recompile(artifacts):
     assert len(jb.buckets) == len(buckets) + 1 and max(b.blocks for b in jb.buckets) == 4
 
 
+def test_a_prefill_round_compiles_its_one_token_program(artifacts):
+    """A repeated prompt adopts all but its last token (kipp.blocks' tails) and evaluates that
+    one with the decode program of the prompt's block width: compiled with the prefill, so the
+    cache hit never waits on a compile."""
+    from jax import monitoring
+
+    from kipp.cuda.rounds import Bucket
+
+    _, jb = _backends(artifacts, TINY, "bf16")
+    table = (2, 0, 1)
+    jb.eval([EvalItem(_tokens(6, 70), 0, table)])  # one round: T=128, B=4
+    assert Bucket(1, 1, 1, 4, 1) in jb.buckets
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if "compile" in event:
+            events.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jb.eval([EvalItem(_tokens(6, 70)[-1:], 69, table)])  # the hit: the last token again
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+
+
 def test_bad_items_are_rejected_before_any_work(artifacts):
     _, jb = _backends(artifacts, TINY, "bf16")
     with pytest.raises(EvalError):

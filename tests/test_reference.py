@@ -109,15 +109,40 @@ def test_prefix_adoption_is_bitwise_equal_to_an_unshared_run(models):
         want = unshared.eval(tokens, logits_rows=2)
     hits = model.pool.stats()["hit_tokens"]
     with model.session() as second:
-        adopted = second.match_prefix(tokens)
-        assert adopted == (len(tokens) - 1) // 32 * 32 and adopted >= 96
+        adopted = second.match_prefix(tokens)  # the full blocks, then the closed run's tail
+        full = (len(tokens) - 1) // 32 * 32
+        assert adopted == len(tokens) - 1 and full >= 96 and second.shared_blocks == full // 32
         assert model.pool.stats()["hit_tokens"] - hits == adopted
-        got = second.eval(tokens[adopted:], logits_rows=2)
+        got = second.eval(tokens[adopted:])  # the last token only
         # Rolling back into an adopted (shared, immutable) block rebuilds it privately.
-        second.truncate(adopted - 5)
-        again = second.eval(tokens[adopted - 5:], logits_rows=2)
-    assert _bits_equal(got, want)
+        second.truncate(full - 5)
+        again = second.eval(tokens[full - 5:], logits_rows=2)
+    assert _bits_equal(got, want[-1:])
     assert _bits_equal(again, want)
+    model.pool.check()
+
+
+def test_repeated_prompt_adopts_the_tail_and_stays_bitwise(models):
+    """A finished sequence leaves its partial last block cached: the same prompt again adopts
+    all but its last token and evaluates that one, with bitwise the unshared logits; a prompt
+    that continues differently inside the tail keeps only the tokens that agree."""
+    model = models(UNTIED)
+    tokens = model.tokenizer.encode(gates.DEFAULT_PROMPTS[1] * 3)
+    assert 2 < len(tokens) % 32 < 30  # room for two more tokens in the tail block
+    with model.session() as unshared:
+        want = unshared.eval(tokens, logits_rows=2)
+    with model.session() as again:
+        assert again.match_prefix(tokens) == len(tokens) - 1
+        got = again.eval(tokens[-1:])
+        again.eval([11, 13])  # continue in the adopted block, then publish it as a tail
+    assert _bits_equal(got, want[-1:])
+    other = tokens[:-2] + [7, tokens[-1]]  # the cached tail now ends ..., tokens[-1], 11, 13
+    with model.session() as s:
+        assert s.match_prefix(other) == len(tokens) - 2
+        got_other = s.eval(other[len(tokens) - 2:], logits_rows=2)
+    with model.session() as fresh:  # no match_prefix: nothing adopted
+        want_other = fresh.eval(other, logits_rows=2)
+    assert _bits_equal(got_other, want_other)
     model.pool.check()
 
 

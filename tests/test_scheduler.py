@@ -85,7 +85,10 @@ def test_finished_request_prefix_is_adopted(model):
     drive(scheduler)
     _, _, _, done = collect(second)
     assert first_done.cached_tokens == 0
-    assert done.cached_tokens == len(long_prompt) // BLOCK_SIZE * BLOCK_SIZE
+    # The full blocks, then the first request's tail (its prompt's last partial block and the
+    # tokens it generated there) for the prompt tokens it agrees on: the whole first prompt.
+    assert len(long_prompt) % BLOCK_SIZE + 3 < BLOCK_SIZE
+    assert done.cached_tokens == len(long_prompt)
     assert done.timings["cache_n"] == done.cached_tokens
     assert done.timings["prompt_n"] == len(long_prompt) + 2 - done.cached_tokens
     greedy = scheduler.submit(Request(prompt=long_prompt + [11, 12], max_tokens=6,
@@ -93,6 +96,24 @@ def test_finished_request_prefix_is_adopted(model):
     drive(scheduler)
     assert collect(greedy)[0][0] == isolated(model, long_prompt + [11, 12], 6,
                                              temperature=0)[0]
+
+
+def test_repeated_prompt_evaluates_only_its_last_token(model):
+    """The same prompt again adopts everything but its last token (full blocks and the cached
+    tail), evaluates one token in one step, and gives the isolated run's tokens."""
+    prompt = model.tokenizer.encode("A prompt that ends inside a block. " * 9)
+    assert len(prompt) % BLOCK_SIZE
+    scheduler = Scheduler(model, prefill_chunk=16)
+    scheduler.submit(Request(prompt=prompt, max_tokens=1))
+    drive(scheduler)
+    steps = scheduler.counters["steps"]
+    ticket = scheduler.submit(Request(prompt=prompt, max_tokens=5,
+                                      sampling=SamplingParams(temperature=0)))
+    drive(scheduler)
+    tokens, _, _, done = collect(ticket)
+    assert done.cached_tokens == len(prompt) - 1 and done.timings["prompt_n"] == 1
+    assert scheduler.counters["steps"] - steps == 5  # one step per token, the first included
+    assert tokens[0] == isolated(model, prompt, 5, temperature=0)[0]
 
 
 def test_pool_pressure_delays_admission_and_every_request_completes(artifacts):
@@ -255,3 +276,18 @@ def test_speculative_scheduler_emits_plain_greedy_tokens(model):
     full = model.tokenizer.decode(greedy[-1])
     assert text == full[: full.index(model.tokenizer.decode(greedy[-1][5:7]))]
     assert scheduler.counters["spec_accepted"] > 0, "no draft was ever accepted"
+
+
+def test_step_counters_time_the_engine_and_count_compiles(model, monkeypatch):
+    """stats(): the step time covers the backend's eval time, and the compiles a backend logs
+    (JaxBackend.compile_log) are counted with their seconds; a backend with no log counts 0."""
+    scheduler = Scheduler(model)
+    assert scheduler.stats()["compiles"] == 0 and scheduler.stats()["compile_seconds"] == 0
+    scheduler.submit(Request(prompt=prompts(model)[0], max_tokens=3))
+    drive(scheduler)
+    s = scheduler.stats()
+    assert s["steps"] >= 3 and s["step_seconds"] >= s["eval_seconds"] > 0
+    monkeypatch.setattr(model.backend, "compile_log", [("T=1", 1.5), ("T=16", 2.0)],
+                        raising=False)
+    s = scheduler.stats()
+    assert s["compiles"] == 2 and s["compile_seconds"] == pytest.approx(3.5)

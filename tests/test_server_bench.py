@@ -98,3 +98,66 @@ def test_server_bench_against_kipp_serve(artifacts, tmp_path):
             run["cached_tokens"]
     [between] = arms["interleaved"]["runs"][0]["between"]
     assert between["prompt_tokens"] == OTHER_TOKENS and between["cached_tokens"] == 0
+
+
+def test_engine_bench_against_kipp_serve(artifacts, tmp_path):
+    """`bench engine` on the reference backend, tiny sizes: three valid records whose values are
+    the same-run ratios they claim, the scheduler's own step time, and a repeated prompt that
+    adopts all but its last token (one evaluated) in the server and in the worker's profile."""
+    from bench import engine_bench, report
+
+    config = engine_bench.EngineBenchConfig(
+        checkpoint=TINY, backend="reference", artifact=str(artifacts(TINY, "bf16")), rounds=1, warmup=0, decode_tokens=3,
+        prompt_tokens=PROMPT_TOKENS, clients=2, max_tokens=3, ttft_tokens=70, reuse_tokens=2,
+        results=tmp_path / "results", logs=tmp_path / "logs", request_timeout=300,
+        command="pytest")
+    paths = engine_bench.run(config)
+    loaded = {}
+    for path in paths:
+        record = json.loads(path.read_text())
+        assert records.validate(record) == []
+        assert record["kipp"]["commit"] and record["workload"]["goal"]
+        [arm] = record["arms"]
+        assert arm["status"] == "ok", arm.get("reason")
+        loaded[record["workload"]["name"]] = arm["runs"][0]
+    overhead = loaded["server_overhead"]
+    assert overhead["value"] == overhead["server_tok_s"] / overhead["raw_tok_s"] > 0
+    assert 0 <= overhead["scheduler_ms"] < overhead["step_ms"]
+    assert overhead["engine_steps"] == config.decode_tokens + 1  # one prefill step + decode
+    scaling = loaded["batch_scaling"]
+    assert scaling["value"] == scaling["c2_tok_s"] / scaling["c1_tok_s"] > 0
+    assert scaling["c2"]["completion_tokens"] == 2 * config.max_tokens
+    assert scaling["compiles_c2"] == 0  # the reference backend compiles no step programs
+    assert scaling["value_net_of_compile"] == pytest.approx(scaling["value"])
+    reuse = loaded["reuse_ttft"]
+    assert reuse["cached_tokens"] == config.ttft_tokens - 1 and reuse["evaluated_tokens"] == 1
+    assert reuse["value"] == pytest.approx(reuse["ttft_ms"] - reuse["step_ms"])
+    assert reuse["profile"]["adopted_tokens"] == config.ttft_tokens - 1
+    assert reuse["profile"]["evaluated_tokens"] == 1
+    lines = report.engine_section(records.load_all(tmp_path / "results"))
+    assert sum(line.startswith(f"| `{reuse_commit(paths)}") for line in lines) == 3
+
+
+def reuse_commit(paths) -> str:
+    return json.loads(Path(paths[0]).read_text())["kipp"]["commit"][:10]
+
+
+def test_engine_bench_runs_another_checkouts_kipp(tmp_path):
+    """--kipp-source: processes started with Under's env and cwd import that checkout's kipp
+    (a copy of the package here) and this checkout's bench."""
+    import shutil
+    import subprocess
+
+    from bench import engine_bench, provenance
+
+    other = tmp_path / "old-checkout"
+    shutil.copytree(provenance.REPO / "kipp", other / "kipp",
+                    ignore=shutil.ignore_patterns("__pycache__", "data"))
+    under = engine_bench.Under(other)
+    probe = "import kipp, bench; print(kipp.__file__); print(bench.__file__)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=under.cwd, capture_output=True,
+                          text=True, env={**__import__("os").environ, **under.env}, check=True)
+    kipp_file, bench_file = done.stdout.split()
+    assert Path(kipp_file).resolve().is_relative_to(other.resolve())
+    assert Path(bench_file).resolve().is_relative_to(provenance.REPO)
+    assert under.tag.startswith("@") and engine_bench.Under(None).env == {}

@@ -11,6 +11,7 @@ without publishing their blocks, so no run can adopt a previous run's prefix.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Sequence
 
 from bench.engines.base import Engine, greedy
@@ -32,6 +33,7 @@ class KippEngine(Engine):
         described = self.model.backend.describe()
         check_kernel_path(spec.backend, spec.scheme, described, spec.expect_path)
         return {"describe": described, "backend": self.model.backend.name,
+                "kipp_path": str(Path(kipp.__file__).parent),
                 "artifact_scheme": self.model.artifact.scheme.name,
                 "checkpoint": self.model.entry.id, "revision": self.model.entry.revision}
 
@@ -65,3 +67,37 @@ class KippEngine(Engine):
             session.close(publish=False)
         return {"prefill_seconds": prefill, "decode_seconds": decode, "decode_tokens": n,
                 "generated": generated}
+
+    def reuse_profile(self, prompt: Sequence[int], ban: Sequence[int]) -> dict:
+        """Where a repeated prompt's time goes, step by step (bench/engine_bench.py): evaluate
+        `prompt` in one session and close it publishing its blocks (what a finished request
+        does), then time, for the same prompt again: adopting the cached prefix, evaluating
+        the rest, sampling (greedy, `ban` biased away, as the server's requests are), and one
+        decode step at that context."""
+        from kipp.sampling import Sampler, SamplingParams
+
+        model = self.model
+        with model.session(len(prompt) + 2) as first:
+            start = time.perf_counter()
+            first.eval(prompt)
+            cold = time.perf_counter() - start
+        session = model.session(len(prompt) + 2)
+        try:
+            start = time.perf_counter()
+            adopted = session.match_prefix(prompt)
+            adopt = time.perf_counter() - start
+            logits = session.eval(prompt[adopted:])[0]
+            rest = time.perf_counter() - start - adopt
+            sampler = Sampler(SamplingParams(temperature=0.0,
+                                             logit_bias={int(t): -100 for t in ban}))
+            start = time.perf_counter()
+            token = sampler.sample(logits, session.tokens)
+            sample = time.perf_counter() - start
+            start = time.perf_counter()
+            session.eval([token])
+            step = time.perf_counter() - start
+        finally:
+            session.close(publish=False)
+        return {"cold_seconds": cold, "adopted_tokens": adopted,
+                "evaluated_tokens": len(prompt) - adopted, "adopt_seconds": adopt,
+                "rest_seconds": rest, "sample_seconds": sample, "step_seconds": step}

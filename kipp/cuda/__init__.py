@@ -5,8 +5,9 @@
 
 Modules: backend (JaxBackend), forward (the jitted step), rounds (items -> padded, bucketed
 arrays), layout (weights prepared per device), select (kernels or twins, and why), sharding
-(tensor parallelism over a Mesh), bench (speed), and one file per Pallas kernel with its
-jax.numpy twin beside it: quant_matmul, decode_attention, prefill_attention.
+(tensor parallelism over a Mesh), bench (speed), one file per Pallas kernel with its
+jax.numpy twin beside it: quant_matmul, decode_attention, prefill_attention, and cpu_matmul
+(Kipp's own CPU projection kernel, an XLA FFI handler in C++, with its twin).
 
 This package imports JAX only when its modules are imported, so `jax_sees_gpu` and
 `jax_usable` can be asked on machines without JAX. On a machine with no NVIDIA driver it sets

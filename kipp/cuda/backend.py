@@ -78,7 +78,9 @@ class JaxBackend(Backend):
         if mesh is not None and self.choice.kernels:
             self.choice = select.Choice(False, False, "sharded over a mesh: twins")
         self.fallback = probe.fallback_enabled(fallback)
-        self.memory, self.layout = _weight_layout(artifact, weight_memory, weight_layout, gpu)
+        self.memory, self.layout = _weight_layout(
+            artifact, weight_memory, weight_layout, gpu, platform,
+            plain=mesh is not None or self.choice.kernels)
         self.mesh = mesh
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
@@ -106,6 +108,13 @@ class JaxBackend(Backend):
         return report
 
     def _load(self, artifact: Artifact, platform: str) -> None:
+        if self.layout == "panels":
+            from kipp.cuda import cpu_matmul
+
+            usable, why = cpu_matmul.available()
+            if platform != "cpu" or self.mesh is not None or not usable:
+                raise KippError(f"the panels weight layout needs Kipp's CPU matmul on one CPU "
+                                f"device ({why if not usable else platform})")
         cos, sin = rope_tables(np.arange(self.entry.context_length), self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
         # the CPU twins hold BF16 as uint16 bits (kipp.cuda.layout); kernels read BF16 itself
@@ -135,8 +144,10 @@ class JaxBackend(Backend):
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
         kernels = f"; {self.kernels.summary()}" if self.choice.kernels else ""
+        weights = ("f32 panel weights, Kipp CPU matmul" if self.layout == "panels"
+                   else f"{self.layout} weights")
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
-                f"{self.layout} weights, {self.scheme.name} artifact ({self.memory.reason})"
+                f"{weights}, {self.scheme.name} artifact ({self.memory.reason})"
                 f"{kv}{kernels})")
 
     def kernel_report(self) -> probe.KernelReport:
@@ -179,7 +190,16 @@ class JaxBackend(Backend):
                 program = self._compile_or_fall_back(bucket, arrays)
                 _PROGRAMS[(bucket,) + self._signature] = program  # the path actually compiled
             self._programs[bucket] = program
+            self._precompile_decode(bucket)
         return program
+
+    def _precompile_decode(self, bucket: rounds.Bucket) -> None:
+        """A multi-token round's block width gets its one-token program at once: the first
+        decode step at that context, and a cache hit that leaves only a prompt's last token to
+        evaluate (kipp.blocks' tails), then never wait on a compile."""
+        one = rounds.Bucket(1, 1, 1, bucket.blocks, 1)
+        if bucket.tokens > 1 and one not in self._programs:
+            self._program(one, rounds.placeholder_arrays(one, self.num_blocks))
 
     def _compile_or_fall_back(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
         if not self.kernels.running or self.choice.interpret:
@@ -243,18 +263,22 @@ def _projection_format(scheme: str, weight_layout: str) -> str:
 
 
 def _weight_layout(artifact: Artifact, weight_memory: str, weight_layout: str | None,
-                   gpu: bool) -> tuple[memory.WeightMemory, str]:
-    """(how the weights are held and why, layout name): weight_memory through kipp.memory, or
-    an explicit weight_layout ("f32" or "device", tests and tools) taken as given."""
+                   gpu: bool, platform: str, plain: bool) -> tuple[memory.WeightMemory, str]:
+    """(how the weights are held and why, layout name): weight_memory through kipp.memory
+    ("float32": panels or f32, kipp.cuda.layout.float32_layout), or an explicit weight_layout
+    ("f32", "panels" or "device", tests and tools) taken as given. `plain`: sharded, or Pallas
+    kernels: float32 stays plain float32 (no panels)."""
     if weight_layout not in (None, "auto"):
         if weight_layout not in layout.LAYOUTS:
             raise KippError(f"unknown weight layout {weight_layout!r}; choose from "
                             f"{', '.join(layout.LAYOUTS)}")
-        mode = "float32" if weight_layout == "f32" else "stored"
+        mode = "stored" if weight_layout == "device" else "float32"
         return memory.WeightMemory(mode, f"weight_layout={weight_layout!r}"), weight_layout
     chosen = memory.choose_weight_memory(weight_memory, gpu=gpu,
                                          float32_bytes=layout.float32_bytes(artifact))
-    return chosen, "f32" if chosen.mode == "float32" else "device"
+    if chosen.mode != "float32":
+        return chosen, "device"
+    return chosen, layout.float32_layout(platform, sharded=plain)
 
 
 def _signature(tree) -> tuple:

@@ -2,6 +2,7 @@
 
     python -m kipp.cuda.bench ARTIFACT [--prompt 128] [--decode 32] [--batch 1,8] [--reference]
     python -m kipp.cuda.bench --layouts        # the CPU weight-layout measurement (layout.py)
+    python -m kipp.cuda.bench ARTIFACT --compare f32,panels --batch 1,8   # layouts side by side
 
 Reports per configuration: compile seconds, prefill tok/s, decode tok/s (aggregate over the
 batch), and the decode roofline: the bytes one decode step streams (the layer weights and the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -123,6 +125,46 @@ def run(path, prompt: int, decode: int, batches: list[int], reference: bool, kv_
     return rows
 
 
+def compare(path, weight_layouts: list[str], prompt: int, decode: int, batches: list[int],
+            rounds: int, kv_tokens: int) -> str:
+    """Prefill and decode (per batch size) of one artifact in several weight layouts (e.g.
+    "f32,panels": XLA's dots against Kipp's CPU matmul), every backend loaded in this process
+    and visited in turn each round after a warm-up round; medians over the rounds."""
+    from kipp.cuda.backend import JaxBackend
+
+    artifact = open_artifact(path)
+    backends = {name: JaxBackend(artifact, -(-kv_tokens // KV_BLOCK), weight_layout=name)
+                for name in weight_layouts}
+    got = {(name, what): [] for name in backends for what in ["prefill"] + batches}
+    for r in range(rounds + 1):
+        for name, backend in backends.items():
+            prefill = bench_prefill(backend, prompt, repeats=1)["prefill_tok_s"]
+            decodes = {b: bench_decode(backend, prompt, decode, b)["decode_tok_s"]
+                       for b in batches}
+            if r:  # round 0 compiles every bucket: discarded
+                got[name, "prefill"].append(prefill)
+                for b, value in decodes.items():
+                    got[name, b].append(value)
+    first = weight_layouts[0]
+    lines = [f"{artifact.entry.id} {artifact.scheme.name}: prefill {prompt} tokens, decode "
+             f"{decode} steps; tok/s, median of {rounds} interleaved rounds (load "
+             f"{os.getloadavg()[0]:.1f}); x = over {first}"]
+    for name in backends:
+        cells = []
+        for what in ["prefill"] + batches:
+            value = statistics.median(got[name, what])
+            ratio = value / statistics.median(got[first, what])
+            label = "prefill" if what == "prefill" else f"decode x{what}"
+            cells.append(f"{label} {value:7.2f} ({ratio:4.2f}x)")
+        lines.append(f"  {name:7} " + "  ".join(cells))
+    for b in batches[1:]:
+        scaling = {name: statistics.median(got[name, b]) / statistics.median(got[name, batches[0]])
+                   for name in backends}
+        lines.append(f"  batch {b} over batch {batches[0]} (aggregate tok/s): "
+                     + ", ".join(f"{name} {x:.2f}x" for name, x in scaling.items()))
+    return "\n".join(lines)
+
+
 def _reference_row(artifact, base: dict, prompt: int, decode: int) -> dict:
     from kipp.backends import open_backend  # through the core: backends never import each other
 
@@ -146,38 +188,43 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def layouts(m_values=(1, 8, 64), rows: int = 3072, cols: int = 1024, layers: int = 8) -> str:
-    """Weights/s of XLA dots per weight layout on this device (the layout.py measurement)."""
+def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers: int = 8,
+            repeats: int = 5) -> str:
+    """Weights/s of the CPU's projection paths per weight layout (the layout.py and
+    cpu_matmul.py measurement): XLA's dots on float32, BF16 and packed planes, and Kipp's CPU
+    matmul on float32 panels; every layout's calls interleaved per repeat, medians."""
+    from kipp.cuda import cpu_matmul
+    from kipp.cuda.forward import Ops
+    from kipp.cuda.layout import Linear
+
     rng = np.random.default_rng(0)
     groups = cols // 32
+    dense = rng.standard_normal((rows, cols)).astype(np.float32)
     shapes = {
-        "f32": lambda: jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32),
-        "bf16": lambda: jnp.asarray(rng.standard_normal((rows, cols)), jnp.bfloat16),
-        "q8_0": lambda: (jnp.asarray(rng.integers(-127, 127, (rows, groups, 32)), jnp.int8),
-                         jnp.asarray(rng.random((rows, groups)), jnp.float16)),
-        "scale4": lambda: (jnp.asarray(rng.integers(0, 255, (rows, groups, 16)), jnp.uint8),
-                           jnp.asarray(rng.random((rows, groups)), jnp.float16)),
+        "f32": lambda: Linear(jnp.asarray(dense), fmt="f32"),
+        "bf16": lambda: Linear(jnp.asarray(dense, jnp.bfloat16), fmt="bf16"),
+        "q8_0": lambda: Linear(jnp.asarray(rng.integers(-127, 127, (rows, groups, 32)), jnp.int8),
+                               jnp.asarray(rng.random((rows, groups)), jnp.float16), fmt="q8_0"),
+        "scale4": lambda: Linear(jnp.asarray(rng.integers(0, 255, (rows, groups, 16)), jnp.uint8),
+                                 jnp.asarray(rng.random((rows, groups)), jnp.float16),
+                                 fmt="scale4_gs32"),
     }
-    from kipp.cuda.layout import Linear
-    from kipp.cuda.quant_matmul import quant_matmul_reference
-
-    def make(kind):
-        value = shapes[kind]()
-        if kind in ("f32", "bf16"):
-            return Linear(value, fmt=kind)
-        return Linear(value[0], value[1], fmt="q8_0" if kind == "q8_0" else "scale4_gs32")
-
-    lines = [f"XLA dots on {jax.devices()[0].platform}, {layers} x [{rows}, {cols}] weights, "
-             f"G weights/s (median of 5)"]
+    if cpu_matmul.available()[0]:
+        shapes["panels"] = lambda: Linear(jnp.asarray(cpu_matmul.pack(dense)), fmt="f32p")
+    weights = {kind: [make() for _ in range(layers)] for kind, make in shapes.items()}
+    fn = jax.jit(lambda x, ws: [Ops().linear(x, w) for w in ws])
+    times = {(kind, m): [] for kind in shapes for m in m_values}
+    xs = {m: jnp.asarray(rng.standard_normal((m, cols)), jnp.float32) for m in m_values}
+    for (kind, m) in times:
+        jax.block_until_ready(fn(xs[m], weights[kind]))  # compile
+    for _ in range(repeats):
+        for (kind, m), got in times.items():
+            got += _timed(lambda: jax.block_until_ready(fn(xs[m], weights[kind])), 1)
+    lines = [f"projections on {jax.devices()[0].platform}, {layers} x [{rows}, {cols}] weights, "
+             f"G weights/s (median of {repeats}, interleaved; load {os.getloadavg()[0]:.1f})"]
     for kind in shapes:
-        weights = [make(kind) for _ in range(layers)]
-        fn = jax.jit(lambda x, ws: [quant_matmul_reference(x, w) for w in ws])
-        rates = []
-        for m in m_values:
-            x = jnp.asarray(rng.standard_normal((m, cols)), jnp.float32)
-            jax.block_until_ready(fn(x, weights))
-            t = statistics.median(_timed(lambda: jax.block_until_ready(fn(x, weights)), 5))
-            rates.append(f"M={m}: {layers * rows * cols / t / 1e9:6.2f}")
+        rates = [f"M={m}: {layers * rows * cols / statistics.median(times[kind, m]) / 1e9:6.2f}"
+                 for m in m_values]
         lines.append(f"  {kind:7} " + "  ".join(rates))
     return "\n".join(lines)
 
@@ -194,6 +241,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", action="store_true", help="also time the reference")
     parser.add_argument("--json", help="append result rows to this JSON-lines file")
     parser.add_argument("--layouts", action="store_true", help="the weight-layout measurement")
+    parser.add_argument("--compare", help="weight layouts to time side by side, e.g. f32,panels")
+    parser.add_argument("--rounds", type=int, default=3, help="--compare's measured rounds")
     args = parser.parse_args(argv)
     import logging
 
@@ -204,6 +253,10 @@ def main(argv=None) -> int:
         return 0
     if not args.artifact:
         parser.error("an artifact path is needed (or --layouts)")
+    if args.compare:
+        print(compare(args.artifact, args.compare.split(","), args.prompt, args.decode,
+                      [int(b) for b in args.batch.split(",")], args.rounds, args.kv_tokens))
+        return 0
     rows = run(args.artifact, args.prompt, args.decode, [int(b) for b in args.batch.split(",")],
                args.reference, args.kv_tokens, args.path, args.layout)
     if args.json:

@@ -7,10 +7,12 @@ projection and residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) resid
 final RMSNorm and the output head for the requested rows only.
 
 `Ops` decides how projections and attention run: Pallas kernels (GPU, or interpret mode in
-tests) or their jax.numpy twins. The KV slab is a tuple of per-layer (K, V) buffers, each
-`[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU, whose BF16 scatter widens the
-whole buffer to float32 and back), or with the q8_0 KV scheme a `layout.QuantizedKV` pair of
-planes (kipp.kvquant's format), donated to the step so XLA updates it in place.
+tests) or their jax.numpy twins; on XLA's CPU, projections stored as float32 panels ("f32p")
+run Kipp's CPU matmul (kipp.cuda.cpu_matmul) whatever the path. The KV slab is a tuple of
+per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU,
+whose BF16 scatter widens the whole buffer to float32 and back), or with the q8_0 KV scheme a
+`layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated to the step so XLA updates
+it in place.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from kipp.cuda import cpu_matmul
 from kipp.cuda import decode_attention as decode_mod
 from kipp.cuda import prefill_attention as prefill_mod
 from kipp.cuda import quant_matmul as matmul_mod
@@ -38,6 +41,8 @@ class Ops:
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False) -> jax.Array:
+        if w.fmt == "f32p":  # the CPU layout: only Kipp's CPU matmul reads panels
+            return cpu_matmul.matmul(x, w.w)
         # Interpret mode pays per program: the 151,936-row head would take minutes, so there
         # it runs its twin (the BF16 kernel is checked on its own in the kernel tests).
         if self.kernels and not (head and self.interpret) and \
@@ -80,16 +85,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
     """One round: (logits [R, vocab] float32, the updated KV slab)."""
-    x = widen_bf16(params["embed"][r.tokens])  # [T, hidden]
+    x = _embed(params["embed"], r.tokens)  # [T, hidden]
     cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
     new_kv = []
     for layer, (k_cache, v_cache) in zip(params["layers"], kv):
         x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops)
         new_kv.append((k_cache, v_cache))
     h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
+    return ops.linear(h, _head(params), head=True), tuple(new_kv)
+
+
+def _embed(table, tokens: jax.Array) -> jax.Array:
+    """Embedding rows [T, hidden] float32 of a [vocab, hidden] table or the tied head's panels."""
+    if isinstance(table, Linear):
+        return cpu_matmul.rows(table.w, tokens)
+    return widen_bf16(table[tokens])
+
+
+def _head(params) -> Linear:
     head = params["head"] if params["head"] is not None else params["embed"]
+    if isinstance(head, Linear):  # the panels layout (kipp.cuda.cpu_matmul)
+        return head
     fmt = "f32" if head.dtype == jnp.float32 else "bf16"  # BF16, or its bits (uint16)
-    return ops.linear(h, Linear(head, fmt=fmt), head=True), tuple(new_kv)
+    return Linear(head, fmt=fmt)
 
 
 def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops):

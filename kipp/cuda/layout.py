@@ -1,8 +1,9 @@
 """Weights prepared once, at load, in the layout the device runs fast.
 
-Two layouts, both exact images of the artifact's values, chosen by `weight_memory`
-(kipp.memory): "device" is its "stored", "f32" its "float32" (on a CPU, when the copy fits the
-memory budget; never on a GPU, where a fallback must fit where the kernels fit):
+Three layouts, all exact images of the artifact's values, chosen by `weight_memory`
+(kipp.memory): "device" is its "stored"; its "float32" is "panels" on one CPU device when
+Kipp's CPU matmul is available (`float32_layout`), else "f32" (on a CPU, when the copy fits
+the memory budget; never on a GPU, where a fallback must fit where the kernels fit):
 
 - "device" (GPU): projections stay as stored: BF16 `[out, in]`, or the quantized scheme's
   packed planes (never widened): q8_0 -> int8 `[out, in/32, 32]`; scale4_gs32 and affine4_gs32
@@ -40,6 +41,8 @@ whole by a step that updates one layer's slice.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -54,7 +57,7 @@ from kipp.registry import KV_BLOCK
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
-LAYOUTS = ("f32", "device")
+LAYOUTS = ("f32", "device", "panels")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Linear:
 
     fmt "f32" / "bf16": w [out, in]. fmt "q8_0": w int8 [out, in/32, 32], d fp16 [out, in/32].
     fmt "scale4_gs32": w uint8 [out, in/32, 16] nibbles, d. fmt "affine4_gs32": w, d, m.
+    fmt "f32p": w float32 panels [out/8, in, 8] (kipp.cuda.cpu_matmul).
     """
 
     w: Any
@@ -73,6 +77,8 @@ class Linear:
     @property
     def shape(self) -> tuple[int, int]:
         rows = self.w.shape[0]
+        if self.fmt == "f32p":
+            return rows * self.w.shape[2], self.w.shape[1]
         if self.fmt in ("f32", "bf16"):
             return rows, self.w.shape[1]
         return rows, self.w.shape[1] * BLOCK
@@ -83,6 +89,26 @@ class Linear:
 
 
 jax.tree_util.register_dataclass(Linear, data_fields=["w", "d", "m"], meta_fields=["fmt"])
+
+
+def float32_layout(platform: str, sharded: bool = False, kernels: bool = False) -> str:
+    """The layout of weight_memory "float32": on one CPU device running the twins, float32
+    panels for Kipp's CPU matmul when it is available, else plain float32 (see the module
+    docstring). Pallas kernels (interpret mode on a CPU) read plain float32."""
+    if platform != "cpu" or sharded or kernels:
+        return "f32"
+    from kipp.cuda import cpu_matmul
+
+    usable, why = cpu_matmul.available()
+    if not usable:
+        _warn_once(f"Kipp's CPU matmul is unavailable ({why}); using the float32 layout and "
+                   f"XLA's dot")
+    return "panels" if usable else "f32"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logging.getLogger("kipp.cuda").warning(message)
 
 
 def pack_linear(t: Tensor, layout: str, bits: bool = False) -> Linear:
@@ -132,6 +158,10 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
     tensors of the "device" layout as uint16 bit patterns (the CPU twins')."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if layout == "panels":  # built whole (kipp.cuda.cpu_matmul), placed as one tree
+        from kipp.cuda import cpu_matmul
+
+        return place("panels", cpu_matmul.prepare_weights(artifact))
     w = artifact.weights
 
     def put(name, tensor, value):

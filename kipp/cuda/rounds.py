@@ -90,6 +90,11 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
     return bucket, a, dests
 
 
+def placeholder_arrays(b: Bucket, num_blocks: int) -> RoundArrays:
+    """Arrays of bucket `b` that evaluate nothing (every slot dropped): for compiling ahead."""
+    return _empty_arrays(b, num_blocks)
+
+
 def _empty_arrays(b: Bucket, num_blocks: int) -> RoundArrays:
     i32 = np.int32
     return RoundArrays(

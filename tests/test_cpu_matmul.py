@@ -1,0 +1,107 @@
+"""Kipp's CPU matmul (kipp/cuda/cpu_matmul.*): kernel vs jax.numpy twin vs numpy in float64,
+row independence (bitwise), the panel layout, the build's failure path, and the backend's
+choice of layout.
+
+Bound: the kernel accumulates in float32 over K, so against float64 its error is a few float32
+ulps of the row's scale; measured max |err| / max |y| 3.7e-7 .. 2.9e-6 for K up to 1,024; the
+gate is 1e-5 (the twin, XLA's float32 dot, sits in the same range).
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kipp.cuda import cpu_matmul  # noqa: E402
+
+BOUND = 1e-5
+
+# Without a compiler the kernel tests skip (saying why); the fallback tests below still run.
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available()[0],
+                                  reason=f"Kipp's CPU matmul: {cpu_matmul.available()[1]}")
+
+
+def _case(rng, m, n, k):
+    return rng.standard_normal((n, k)).astype(np.float32), \
+        rng.standard_normal((m, k)).astype(np.float32)
+
+
+def _rel(got, want):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", [(1, 8, 1), (1, 200, 64), (2, 40, 96), (3, 72, 33),
+                                   (5, 24, 130), (8, 1024, 256), (9, 136, 64), (17, 64, 100),
+                                   (64, 96, 48)])
+def test_kernel_matches_twin_and_numpy(m, n, k):
+    """Row counts on every tile shape (1..8 rows, the 6 x 2 prefill tiles past 8), panel counts
+    that leave partial units and partial tile widths."""
+    w, x = _case(np.random.default_rng(m * 1000 + n), m, n, k)
+    panels = cpu_matmul.pack(w)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    got = jax.jit(cpu_matmul.matmul)(x, panels)
+    twin = jax.jit(cpu_matmul.matmul_reference)(x, panels)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    assert _rel(got, want) <= BOUND and _rel(twin, want) <= BOUND
+
+
+@needs_kernel
+def test_each_row_is_bitwise_the_same_alone_or_batched():
+    """One FMA chain per output whatever the tile: a batched decode row equals its isolated
+    step exactly, for every batch size the scheduler makes."""
+    w, x = _case(np.random.default_rng(7), 20, 264, 200)
+    panels = cpu_matmul.pack(w)
+    call = jax.jit(cpu_matmul.matmul)
+    alone = np.stack([np.asarray(call(x[i:i + 1], panels))[0] for i in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 20):
+        batched = np.asarray(call(x[:m], panels))
+        assert np.array_equal(batched.view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+def test_panel_layout_roundtrip_and_row_lookup():
+    w = np.arange(24 * 5, dtype=np.float32).reshape(24, 5)
+    panels = cpu_matmul.pack(w)
+    assert panels.shape == (3, 5, 8) and panels[1, 2, 3] == w[11, 2]
+    assert np.array_equal(cpu_matmul.unpack(panels), w)
+    rows = cpu_matmul.rows(jnp.asarray(panels), jnp.asarray([0, 11, 23, 11]))
+    assert np.array_equal(np.asarray(rows), w[[0, 11, 23, 11]])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpu_matmul.pack(np.zeros((12, 4), np.float32))
+
+
+def test_build_without_a_compiler_says_what_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_matmul, "COMPILERS", ())
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found"):
+        cpu_matmul.build(tmp_path)
+
+
+def test_a_failed_compile_names_the_error(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_matmul, "SOURCE", broken)
+    if not cpu_matmul.available()[0]:
+        pytest.skip("no compiler")
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_matmul.build(tmp_path)
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_switch_off_and_backend_layout(monkeypatch, artifacts):
+    from kipp.artifact import open_artifact
+    from kipp.cuda.backend import JaxBackend
+
+    artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny", "bf16"))
+    monkeypatch.setenv(cpu_matmul.ENV, "0")
+    assert cpu_matmul.available() == (False, f"{cpu_matmul.ENV}=0 turns it off")
+    off = JaxBackend(artifact, 4)
+    assert off.layout == "f32" and "f32 weights" in off.describe()
+    with pytest.raises(Exception, match="panels weight layout needs"):
+        JaxBackend(artifact, 4, weight_layout="panels")
+    monkeypatch.delenv(cpu_matmul.ENV)
+    if cpu_matmul.available()[0]:
+        on = JaxBackend(artifact, 4)
+        assert on.layout == "panels" and "Kipp CPU matmul" in on.describe()
+        assert on.weight_bytes == off.weight_bytes  # the same float32 values, repacked
