@@ -385,60 +385,32 @@ def test_the_0_6b_shape_checkpoint(tmp_path):
 ATTENTION_FAULTS = ["attention-output-zeroed", "rope-query-shifted-by-one",
                     "causal-mask-sees-next", "causal-mask-excludes-self", "decode-kv-not-stored",
                     "block-table-off-by-one-at-boundary", "attention-scale-1.1"]
-FAULT_STEPS = 12
-
-
-def fault_prompts(entry):
-    """Eight fixed prompts: noise, then three distinct live tokens (so the main rule fires at
-    once), 22 to 29 tokens long so that decoding crosses the block boundary at 32."""
-    rng = np.random.default_rng(14)
-    live = synthetic.live_token_ids(entry)
-    prompts = []
-    for n in range(22, 30):
-        tail = rng.choice(live, 3, replace=False)
-        prompts.append([int(t) for t in rng.integers(0, registry.ENDOFTEXT_ID, n - 3)]
-                       + [int(t) for t in tail])
-    return prompts
-
-
-def diverging_greedy(model, prompts, expected, steps):
-    """Greedy tokens of every prompt (one batched eval per step) until `steps` tokens or until
-    every prompt has left its expected continuation; returns which prompts left it."""
-    sessions = [model.session() for _ in prompts]
-    left = [False] * len(prompts)
-    try:
-        rows = model.eval_batch([(s, p, 1) for s, p in zip(sessions, prompts)])
-        for step in range(steps):
-            picks = [int(r[-1].argmax()) for r in rows]
-            left = [was or t != want[step] for was, t, want in zip(left, picks, expected)]
-            if all(left) or step + 1 == steps:
-                return left
-            rows = model.eval_batch([(s, [t], 1) for s, t in zip(sessions, picks)])
-    finally:
-        for s in sessions:
-            s.close(publish=False)
 
 
 @pytest.fixture(scope="module")
 def designed_runs(models):
+    from kipp import gates
+
     model = models("kipp-synthetic/qwen3-tiny")
-    prompts = fault_prompts(model.entry)
+    prompts = gates.designed_prompts(model.entry)
     rule = synthetic.designed_rule(model.entry)
-    return model, prompts, [rule.continuation(p, FAULT_STEPS) for p in prompts]
+    return model, prompts, [rule.continuation(p, gates.DESIGNED_STEPS) for p in prompts]
 
 
 def test_the_reference_follows_the_designed_rule(designed_runs):
+    from kipp import gates
+
     model, prompts, expected = designed_runs
-    assert not any(diverging_greedy(model, prompts, expected, FAULT_STEPS))
+    assert not any(gates.designed_divergence(model, prompts, expected, gates.DESIGNED_STEPS))
 
 
 @pytest.mark.parametrize("name", ATTENTION_FAULTS)
 def test_each_attention_fault_changes_greedy_output(designed_runs, monkeypatch, name):
     """Planted in the reference backend, each fault changes the greedy tokens of at least 6
-    of the 8 fixed prompts within FAULT_STEPS tokens (a greedy test sees it)."""
-    from kipp import faults
+    of the 8 fixed prompts (gates.designed_prompts) within 12 tokens."""
+    from kipp import faults, gates
 
     model, prompts, expected = designed_runs
     faults.get(name).plant(monkeypatch)
-    changed = diverging_greedy(model, prompts, expected, FAULT_STEPS)
+    changed = gates.designed_divergence(model, prompts, expected, gates.DESIGNED_STEPS)
     assert sum(changed) >= 6, (name, changed)

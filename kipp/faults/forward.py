@@ -112,9 +112,10 @@ def _plant_rope_theta(patch):
     patch.setattr(ops, "rope_tables", lambda positions, theta: original(positions, theta * 1.05))
 
 
-_GREEDY = "synthetic greedy = designed rule"
+_GREEDY = "gate: greedy = designed rule"
 _HF = "gate: vs transformers"
 _DECODE = "gate: cached decode vs recompute"
+_JAX = "gate: jax vs reference"  # the reference is the oracle: a faulty one disagrees
 
 for fault in (
     Fault("attention-output-zeroed", "forward pass", "kipp.reference.backend._attention",
@@ -131,13 +132,13 @@ for fault in (
           _plant_attention(exclude_self=True), (_HF, _GREEDY)),
     Fault("attention-scale-1.1", "forward pass", "kipp.reference.ops.attend",
           "scores scaled by 1.1 / sqrt(128) instead of 1 / sqrt(128)",
-          _scaled(ops, "attend", 1.1), (_HF, _GREEDY)),
+          _scaled(ops, "attend", 1.1), (_HF, _GREEDY, _JAX)),
     Fault("silu-1.05", "forward pass", "kipp.reference.ops.silu",
-          "SiLU computed as x * sigmoid(1.05 x)", _plant_silu, (_HF,)),
+          "SiLU computed as x * sigmoid(1.05 x)", _plant_silu, (_HF, _JAX)),
     Fault("rms-norm-weight-1.02", "forward pass", "kipp.reference.ops.rms_norm",
-          "every RMSNorm weight read 2% too large", _plant_rms_norm_weight, (_HF,)),
+          "every RMSNorm weight read 2% too large", _plant_rms_norm_weight, (_HF, _JAX)),
     Fault("rope-theta-1.05", "forward pass", "kipp.reference.ops.rope_tables",
-          "RoPE base theta 5% too large", _plant_rope_theta, (_HF,)),
+          "RoPE base theta 5% too large", _plant_rope_theta, (_HF, _JAX)),
     Fault("decode-kv-not-stored", "KV addressing", "kipp.reference.backend._attention",
           "a one-token (decode) eval does not store its K and V",
           _plant_attention(store_decode=False), (_DECODE, _GREEDY)),
