@@ -43,7 +43,7 @@ from kipp.registry import HEAD_DIM, VOCAB_SIZE, Checkpoint
 from kipp.synthetic_circuit import FIRST_PADDING_ID, live_token_ids, successor  # noqa: F401
 from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
-GENERATOR_VERSION = "synthetic-v3"  # bump when output bytes change; revisions name it
+GENERATOR_VERSION = "synthetic-v4"  # bump when output bytes change; revisions name it
 TRANSFORMERS_VERSION = "4.51.0"  # what upstream Qwen3 config files record
 _EMBEDDING = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
@@ -255,8 +255,9 @@ def readme(entry: Checkpoint) -> str:
         "the successor of the current token (or its cluster's pick). The first layer's "
         "positional heads and MLP measure the attention softmax's temperature, the last "
         "layer's head and MLP fetch two positions back and decide (kipp/synthetic_circuit.py)\n"
-        f"- random heads and units: q/k/v/gate/up N(0, {s.projection}), o/down "
-        f"N(0, {s.residual_projection:.4g}) into dimensions no designed logit reads; RMSNorm "
+        f"- random heads and units: q/k/v/gate/up N(0, {s.projection}), o N(0, "
+        f"{s.attention_write:.4g}) and down N(0, {s.mlp_write:.4g}) into dimensions no "
+        "designed logit reads; RMSNorm "
         f"weights 1 + N(0, {circuit.NORM_NOISE}) on token dimensions; BF16\n"
         f"- regenerate: `kipp synthesize {entry.id} --out DIR`\n\n"
         "The tokenizer files are the upstream Qwen3 tokenizer (Apache-2.0, Qwen team).\n"

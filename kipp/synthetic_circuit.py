@@ -59,13 +59,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kipp.registry import ENDOFTEXT_ID, HEAD_DIM, KV_HEADS, Checkpoint
+from kipp.registry import HEAD_DIM, KV_HEADS, Checkpoint
 
 N_LIVE = 64  # live tokens: a Hadamard code each in CODE (64 dims)
 FIRST_PADDING_ID = 151_669  # embedding rows from here on are padding no text maps to
 BIAS_RATIO = 2.0  # the BIAS dimension / a token embedding's norm
-CHANNEL = 0.5  # norm of PREV, SWITCH (as M2), SIGMA, SIGMA2 writes / a token embedding's norm
+CHANNEL = 0.5  # norm of PREV and SWITCH (as M2) writes / a token embedding's norm
+SIGMA_CHANNEL = 0.1  # SIGMA, SIGMA2 / a token embedding's norm: small, so that their rounding
+                     # noise barely moves any RMSNorm's scale
 RESIDUAL_NOISE = 0.4  # norm of all random writes / a token embedding's norm
+MLP_NOISE_SHARE = 0.7  # of that energy, the random MLP units' part (SiLU errors show there)
 MAIN_WRITE = 4.0  # main write / token embedding norm (outvotes the input's own row)
 FALLBACK_WRITE = 2.0  # fallback write / token embedding norm
 MAIN_LOGIT = 16.0  # the designed next token's logit when the main rule fires
@@ -77,12 +80,15 @@ FALLBACK_STEP = N_LIVE // 3  # the fallback predicts this many steps along pi
 NONLIVE_NOISE = 0.1  # a non-live token's own direction added to its cluster's (ties broken)
 SWITCH_GAIN = 0.02  # first-MLP gate input a x at nominal SWITCH: silu is linear there
 C_OUT = 15 / 16  # o_proj entries of the first layer's channels: exact in every scheme
-# The AND pair (main units): gate = A m + B s - THETA with m the SWITCH match and s SIGMA2,
-# each 1 at its designed value. Fires (g >= DELTA + 10) for m = 1 and s in [0.8, 1.25]; off
+# The main pairs: gate = A m + B s - THETA with m the SWITCH match and s SIGMA2, each 1 at its
+# designed value. Past the plateau (g >= PLATEAU + 10) for m = 1 and s in [0.8, 1.25]; off
 # (g <= -10) for s <= 0.45 (attention scale x1.1: s = 0.37) or m <= 0.05 (another token).
-AND_A, AND_B, AND_DELTA = 55.0, 63.0, 2.0
-AND_THETA = AND_A + 0.8 * AND_B - AND_DELTA - 10.0
-FALLBACK_A, FALLBACK_THETA = 20.0, 12.0  # fallback units: on (m = 1) +8, off (m <= 0.1) -10
+PLATEAU = 2.0  # a plateau pair's output (see _plateau)
+AND_A, AND_B = 55.0, 63.0
+AND_THETA = AND_A + 0.8 * AND_B - PLATEAU - 10.0
+# Fallback pairs: g = A m - THETA with m the match of the current token's code: past the
+# plateau (g >= PLATEAU + 8) for m >= 0.8, off (g <= -8) for m <= 0.2.
+FALLBACK_A, FALLBACK_THETA = 30.0, 14.0
 PUNCTUATION = (".", ",", "\u010a", ":", "(", ")", "!", "?")  # live pieces besides words
 _PROFILES = Path(__file__).with_name("data") / "synthetic_rope_profiles.json"
 
@@ -371,10 +377,6 @@ def _silu_square_mean(tau: float, mean: float = 0.0) -> float:
     return float(np.sum(w * (g / (1 + np.exp(-g))) ** 2) / math.sqrt(2 * math.pi))
 
 
-def _silu(x: float) -> float:
-    return x / (1 + math.exp(-x))
-
-
 @dataclass(frozen=True)
 class Scales:
     """Every magnitude of one entry's circuit (module docstring), derived from its shapes."""
@@ -382,7 +384,8 @@ class Scales:
     token: float  # N: norm of a token embedding's token part
     bias: float  # value of the BIAS dimension in every embedding row
     projection: float  # std of random q/k/v/gate/up weights (the registry's init_std)
-    residual_projection: float  # std of random o/down weights (writing NOISE only)
+    attention_write: float  # std of random o_proj weights (writing NOISE only)
+    mlp_write: float  # std of random down_proj weights (writing NOISE only)
     rms: dict  # nominal RMS of the residual at each RMSNorm the circuit relies on
     value: float  # first layer: value = this * normalized CODE (PREV gets CHANNEL * N)
     switch_gain: float  # first MLP gate weight on SWITCH
@@ -399,12 +402,13 @@ def scales(entry: Checkpoint) -> Scales:
     dims = Dims(d)
     token = token_norm(entry)
     e_bias, e_tok = (BIAS_RATIO * token) ** 2, token ** 2
-    e_ch, e_noise = (CHANNEL * token) ** 2, (RESIDUAL_NOISE * token) ** 2
+    e_ch, e_sigma = (CHANNEL * token) ** 2, (SIGMA_CHANNEL * token) ** 2
+    e_noise = (RESIDUAL_NOISE * token) ** 2
     rms = {
         "first_attention": math.sqrt((e_bias + e_tok) / d),
         "first_mlp": math.sqrt((e_bias + e_tok + e_ch + e_noise) / d),  # PREV written
-        "last_attention": math.sqrt((e_bias + e_tok + 2 * e_ch + e_noise) / d),  # + SIGMA
-        "last_mlp": math.sqrt((e_bias + e_tok + 4 * e_ch + e_noise) / d),  # + M2, SIGMA2
+        "last_attention": math.sqrt((e_bias + e_tok + e_ch + e_sigma + e_noise) / d),
+        "last_mlp": math.sqrt((e_bias + e_tok + 2 * e_ch + 2 * e_sigma + e_noise) / d),
     }
     rms["final"] = math.sqrt(rms["last_mlp"] ** 2
                              + (MAIN_WRITE ** 2 + FALLBACK_WRITE ** 2) * e_tok / d)
@@ -417,33 +421,35 @@ def scales(entry: Checkpoint) -> Scales:
     switch_gain = SWITCH_GAIN * rms["first_mlp"] * math.sqrt(n) / (
         2 * prev_weight * CHANNEL * token)
     # SIGMA = sigma_out * sum_u silu(a SWITCH_u / rms) PREV_u / rms ~ sigma_out (a / 2)
-    # prev_weight |PREV|^2 / rms^2; its designed value is CHANNEL * N.
-    sigma_out = CHANNEL * token * rms["first_mlp"] ** 2 / (
+    # prev_weight |PREV|^2 / rms^2; its designed value is SIGMA_CHANNEL * N.
+    sigma_out = SIGMA_CHANNEL * token * rms["first_mlp"] ** 2 / (
         switch_gain / 2 * prev_weight * (CHANNEL * token) ** 2)
     transport = rms["last_attention"]  # copies PREV and SIGMA at their own magnitude
     final_code = MAIN_LOGIT * rms["final"] / (MAIN_WRITE * token ** 2)
-    # Random writes: o/down entries N(0, s^2) into the NOISE dims only, sized so that all of
-    # them add up to RESIDUAL_NOISE of a token embedding. A random projection's output has
-    # variance tau^2 = init_std^2 * hidden (its input is RMS-normalised).
-    s = entry.synthetic.init_std
-    tau2 = s ** 2 * d
+    attention_write, mlp_write = _write_scales(entry, e_noise)
+    return Scales(token, BIAS_RATIO * token, entry.synthetic.init_std, attention_write,
+                  mlp_write, rms, value, switch_gain, sigma_out, transport, final_code,
+                  prev_weight)
+
+
+def _write_scales(entry: Checkpoint, e_noise: float) -> tuple[float, float]:
+    """Stds of random o_proj and down_proj entries (they write NOISE only): all random writes
+    add up to e_noise, MLP_NOISE_SHARE of it from the MLP units. A random projection's output
+    has variance tau^2 = init_std^2 * hidden (its input is RMS-normalised)."""
+    tau2 = entry.synthetic.init_std ** 2 * entry.hidden
     roles = Roles(entry.query_heads // KV_HEADS)
-    energy = 0.0
+    heads = units = 0
     for layer in range(entry.layers):
         first, last = layer == 0, layer == entry.layers - 1
-        heads = entry.query_heads - (len(roles.structured_heads(first)) if first or last else 0)
-        units = entry.intermediate - (N_LIVE if first else structured_units(entry) if last
+        heads += entry.query_heads - (len(roles.structured_heads(first)) if first or last
                                       else 0)
-        energy += heads * HEAD_DIM * tau2 * 0.8  # values keep their BIAS-driven offset
-        energy += units * tau2 * _silu_square_mean(math.sqrt(tau2))
-    residual_projection = math.sqrt(e_noise / (len(dims.noise) * energy))
-    return Scales(token, BIAS_RATIO * token, s, residual_projection, rms, value, switch_gain,
-                  sigma_out, transport, final_code, prev_weight)
-
-
-def structured_units(entry: Checkpoint) -> int:
-    """Units of the last MLP the circuit uses: AND pairs, live and cluster fallbacks."""
-    return 3 * N_LIVE + Dims(entry.hidden).clusters
+        units += entry.intermediate - (N_LIVE if first else structured_units(entry) if last
+                                       else 0)
+    d_noise = len(Dims(entry.hidden).noise)
+    attention = heads * HEAD_DIM * tau2 * 0.8  # values keep their BIAS-driven offset
+    mlp = units * tau2 * _silu_square_mean(math.sqrt(tau2))
+    return (math.sqrt((1 - MLP_NOISE_SHARE) * e_noise / (d_noise * attention)),
+            math.sqrt(MLP_NOISE_SHARE * e_noise / (d_noise * mlp)))
 
 
 def _gaussian(entry: Checkpoint, name: str, shape, std: float) -> np.ndarray:
@@ -525,11 +531,11 @@ def output_codes(entry: Checkpoint) -> np.ndarray:
     return live_codes(entry, name) / math.sqrt(N_LIVE)
 
 
-def _random_write(entry: Checkpoint, name: str, shape) -> np.ndarray:
-    """o_proj / down_proj with random entries on the NOISE rows only."""
+def _random_write(entry: Checkpoint, name: str, shape, std: float) -> np.ndarray:
+    """o_proj / down_proj with random N(0, std^2) entries on the NOISE rows only."""
     out = np.zeros(shape, np.float32)
     noise = Dims(entry.hidden).noise
-    out[noise] = _gaussian(entry, name, (len(noise), shape[1]), scales(entry).residual_projection)
+    out[noise] = _gaussian(entry, name, (len(noise), shape[1]), std)
     return out
 
 
@@ -557,7 +563,7 @@ def attention_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarr
     layer = _layer_of(name)
     first, last = layer == 0, layer == entry.layers - 1
     if kind == "o":
-        out = _random_write(entry, name, shape)
+        out = _random_write(entry, name, shape, scales(entry).attention_write)
     else:
         out = _gaussian(entry, name, shape, entry.synthetic.init_std)
     if not (first or last):
@@ -567,6 +573,7 @@ def attention_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarr
     positional = _positional(entry, layer)
     roles = Roles(entry.query_heads // KV_HEADS)
     if kind in ("q", "k"):
+        _damp_random_heads(entry, out, kind, positional, first)
         for kv, (k_pre, queries) in positional.items():
             for head, vector in ([(kv, k_pre)] if kind == "k" else queries.items()):
                 out[head * HEAD_DIM:(head + 1) * HEAD_DIM] = 0.0
@@ -593,13 +600,36 @@ def attention_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarr
     return out
 
 
+def _damp_random_heads(entry: Checkpoint, out: np.ndarray, kind: str, positional, first: bool):
+    """The random heads of the first and last layer get the positional heads' q/k norm gain
+    (STRUCTURED_QK_GAIN); to keep them as sharp as the other layers' (QK_NORM_GAIN), part of
+    each random query (key) is a constant in RoPE pair 62 (63), where the keys (queries) are 0:
+    it takes RMSNorm's share without adding to any score."""
+    heads = (range(entry.query_heads) if kind == "q" else range(KV_HEADS))
+    skip = ({h for _, queries in positional.values() for h in queries} if kind == "q"
+            else set(positional))
+    keep = (QK_NORM_GAIN / STRUCTURED_QK_GAIN) ** 2  # random share of each vector's energy
+    s = scales(entry)
+    tau = entry.synthetic.init_std * math.sqrt(entry.hidden)  # a random row's output std
+    dump = tau * math.sqrt((1 / keep - 1) * (HEAD_DIM - 4))
+    bias = s.bias / s.rms["first_attention" if first else "last_attention"]  # after RMSNorm
+    half = HEAD_DIM // 2
+    pair = half - 2 if kind == "q" else half - 1
+    for head in heads:
+        if head in skip:
+            continue
+        rows = head * HEAD_DIM + np.array([half - 2, half - 1, HEAD_DIM - 2, HEAD_DIM - 1])
+        out[rows] = 0.0
+        out[head * HEAD_DIM + pair, Dims(entry.hidden).bias] = dump / bias
+
+
 def mlp_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
     """gate/up/down_proj of a layer, float32: random units writing NOISE, with the circuit's
     units in the first (SWITCH x PREV -> SIGMA) and last (AND pairs, fallbacks) layer."""
     layer = _layer_of(name)
     first, last = layer == 0, layer == entry.layers - 1
     if kind == "down":
-        out = _random_write(entry, name, shape)
+        out = _random_write(entry, name, shape, scales(entry).mlp_write)
     else:
         out = _gaussian(entry, name, shape, entry.synthetic.init_std)
     if first:
@@ -622,8 +652,39 @@ def _first_mlp(entry: Checkpoint, out: np.ndarray, kind: str) -> None:
         out[u, dims.prev] = 1.0
 
 
+def _last_units(entry: Checkpoint) -> dict[str, tuple[int, int]]:
+    """Unit blocks of the last MLP: name -> (first unit, count). Each block is a run of "plus"
+    units followed by as many "minus" units (see _plateau)."""
+    n, k = N_LIVE, Dims(entry.hidden).clusters
+    return {"main": (0, n), "live": (2 * n, n), "cluster": (4 * n, k)}
+
+
+def structured_units(entry: Checkpoint) -> int:
+    """Units of the last MLP the circuit uses: main, live and cluster fallback pairs."""
+    return 4 * N_LIVE + 2 * Dims(entry.hidden).clusters
+
+
+def _plateau(out, kind, first, count, reads, gate_rows, theta, bias, write, targets):
+    """One block of plateau pairs: unit i (plus) and unit count + i (minus) share a gate
+    g_i = reads(gate_rows) - theta, the minus one shifted by PLATEAU: once g >= PLATEAU + 8
+    their difference silu(g) - silu(g - PLATEAU) is PLATEAU to 3e-4, so the write (down
+    columns +-write / PLATEAU along `targets`, unit vectors in CODE) does not depend on how far
+    past its threshold the gate is."""
+    plus, minus = first + np.arange(count), first + count + np.arange(count)
+    # The two thresholds as stored (BF16): their difference is the plateau actually built.
+    thresholds = _bf16(np.array([-theta, -(theta + PLATEAU)]) / bias)
+    if kind == "gate":
+        for rows, threshold in ((plus, thresholds[0]), (minus, thresholds[1])):
+            out[np.ix_(rows, reads)] = gate_rows
+            out[rows, Dims.bias] = threshold
+    elif kind == "down":
+        height = float(thresholds[0] - thresholds[1]) * bias
+        out[np.ix_(Dims(out.shape[0]).code, plus)] = write / height * targets.T
+        out[np.ix_(Dims(out.shape[0]).code, minus)] = -write / height * targets.T
+
+
 def _last_mlp(entry: Checkpoint, out: np.ndarray, kind: str) -> None:
-    dims, s, n = Dims(entry.hidden), scales(entry), N_LIVE
+    dims, s = Dims(entry.hidden), scales(entry)
     units = np.arange(structured_units(entry))
     rms = s.rms["last_mlp"]
     bias = s.bias / rms  # BIAS after the last MLP's RMSNorm (weight 1)
@@ -631,44 +692,36 @@ def _last_mlp(entry: Checkpoint, out: np.ndarray, kind: str) -> None:
         out[units] = 0.0
         out[units, dims.bias] = 1 / bias  # up = 1 for every circuit unit
         return
-    pi = successor(entry)
-    codes_out = output_codes(entry)  # unit directions
-    if kind == "down":
+    if kind == "gate":
+        out[units] = 0.0
+    else:  # down
         out[:, units] = 0.0
-        main = MAIN_WRITE * s.token / AND_DELTA
-        fallback = FALLBACK_WRITE * s.token / _silu(FALLBACK_A - FALLBACK_THETA)
-        out[np.ix_(dims.code, np.arange(n))] = main * codes_out[pi].T
-        out[np.ix_(dims.code, n + np.arange(n))] = -main * codes_out[pi].T
-        out[np.ix_(dims.code, 2 * n + np.arange(n))] = (
-            fallback * codes_out[fallback_successor(entry)].T)
-        cluster_next = cluster_fallback(entry)
-        k = np.arange(dims.clusters)
-        out[np.ix_(dims.code, 3 * n + k)] = fallback * codes_out[cluster_next].T
-        return
-    out[units] = 0.0  # gate
+    codes_out = output_codes(entry)  # unit directions
+    codes_in = live_codes(entry, "model.embed_tokens.weight")
+    blocks = _last_units(entry)
+    # Main: SWITCH holds t_{p-2}'s code through the first layer's norm weights; SIGMA2 the
+    # temperature measurement. gate = A m + B s - THETA (AND_* constants).
     first_norm = norm_weights(entry, _layer_name(0, "input_layernorm.weight"), "norm")
+    key = _unit_rows(codes_in * first_norm[dims.code])
+    m_ref, s_ref = CHANNEL * s.token / rms, SIGMA_CHANNEL * s.token / rms
+    rows = np.hstack([AND_A / m_ref * key, np.full((N_LIVE, 1), AND_B / s_ref)])
+    _plateau(out, kind, *blocks["main"], np.r_[dims.switch, dims.sigma2], rows, AND_THETA,
+             bias, MAIN_WRITE * s.token, codes_out[successor(entry)])
+    # Live fallback: CODE holds t_p's own code times this norm's weights.
     last_norm = norm_weights(entry, _layer_name(entry.layers - 1,
                                                 "post_attention_layernorm.weight"), "norm")
-    codes_in = live_codes(entry, "model.embed_tokens.weight")
-    # AND pairs: SWITCH holds t_{p-2}'s code through the first layer's norm weights.
-    key = codes_in * first_norm[dims.code]
-    key /= np.linalg.norm(key, axis=1, keepdims=True)
-    m_ref = s_ref = CHANNEL * s.token / rms
-    for offset, theta in ((0, AND_THETA), (n, AND_THETA + AND_DELTA)):
-        rows = offset + np.arange(n)
-        out[np.ix_(rows, dims.switch)] = AND_A / m_ref * key
-        out[rows, dims.sigma2] = AND_B / s_ref
-        out[rows, dims.bias] = -theta / bias
-    # Live fallback: CODE holds t_p's own code times this norm's weights.
-    key = codes_in * last_norm[dims.code]
-    norm = np.linalg.norm(key, axis=1, keepdims=True)
-    rows = 2 * n + np.arange(n)
-    out[np.ix_(rows, dims.code)] = FALLBACK_A * key / norm / (s.token / math.sqrt(N_LIVE) * norm
-                                                             / rms)
-    out[rows, dims.bias] = -FALLBACK_THETA / bias
+    weighted = codes_in * last_norm[dims.code]
+    m_ref = s.token / math.sqrt(N_LIVE) * np.linalg.norm(weighted, axis=1, keepdims=True) / rms
+    _plateau(out, kind, *blocks["live"], dims.code, FALLBACK_A * _unit_rows(weighted) / m_ref,
+             FALLBACK_THETA, bias, FALLBACK_WRITE * s.token,
+             codes_out[fallback_successor(entry)])
     # Cluster fallback: NOISE holds the cluster's direction (times N) times the weights.
-    basis = cluster_basis(entry, "model.embed_tokens.weight").T * last_norm[dims.noise]
-    norm = np.linalg.norm(basis, axis=1, keepdims=True)
-    rows = 3 * n + np.arange(dims.clusters)
-    out[np.ix_(rows, dims.noise)] = FALLBACK_A * basis / norm / (s.token * norm / rms)
-    out[rows, dims.bias] = -FALLBACK_THETA / bias
+    weighted = cluster_basis(entry, "model.embed_tokens.weight").T * last_norm[dims.noise]
+    m_ref = s.token * np.linalg.norm(weighted, axis=1, keepdims=True) / rms
+    _plateau(out, kind, *blocks["cluster"], dims.noise,
+             FALLBACK_A * _unit_rows(weighted) / m_ref, FALLBACK_THETA, bias,
+             FALLBACK_WRITE * s.token, codes_out[cluster_fallback(entry)])
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)

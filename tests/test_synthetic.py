@@ -175,7 +175,9 @@ def test_weights_follow_the_circuit_layout(tiny_dir):
     assert f32["model.layers.0.mlp.up_proj.weight"][circuit.N_LIVE:].std() == pytest.approx(
         s.projection, rel=0.02)
     o = f32["model.layers.1.self_attn.o_proj.weight"]
-    assert o[dims.noise][:, 128:].std() == pytest.approx(s.residual_projection, rel=0.05)
+    assert o[dims.noise][:, 128:].std() == pytest.approx(s.attention_write, rel=0.05)
+    down = f32["model.layers.0.mlp.down_proj.weight"]
+    assert down[dims.noise][:, circuit.N_LIVE:].std() == pytest.approx(s.mlp_write, rel=0.05)
     keep = np.setdiff1d(np.arange(entry.hidden), np.r_[dims.noise, dims.switch, dims.sigma2])
     assert not o[keep].any()
     norm = f32["model.layers.0.input_layernorm.weight"]
@@ -382,7 +384,8 @@ def test_the_0_6b_shape_checkpoint(tmp_path):
 
 
 # The attention faults of issue 14, each of which a greedy-token test must be able to see.
-ATTENTION_FAULTS = ["attention-output-zeroed", "rope-query-shifted-by-one",
+ATTENTION_FAULTS = ["attention-output-zeroed", "attention-sees-position-0-only",
+                    "rope-query-shifted-by-one", "rope-reversed",
                     "causal-mask-sees-next", "causal-mask-excludes-self", "decode-kv-not-stored",
                     "block-table-off-by-one-at-boundary", "attention-scale-1.1"]
 
