@@ -30,22 +30,27 @@ class Env:
     a planted fault may corrupt one's KV or pool)."""
 
     def __init__(self, artifacts, synthetic_dir):
+        self._artifacts = artifacts
         self.path = artifacts(TINY)
         self.source = synthetic_dir(TINY)
-        self._want = None
+        self._want = {}
 
     def reference(self, kv_tokens: int = 2048):
         return load(self.path, backend="reference", kv_tokens=kv_tokens, progress=False)
 
-    def jax(self):
+    def jax(self, scheme: str = "bf16"):
         pytest.importorskip("jax")
-        return load(self.path, backend="jax", kv_tokens=1024, progress=False)
+        return load(self._artifacts(TINY, scheme), backend="jax", kv_tokens=1024,
+                    progress=False)
 
     def transformers_logits(self, model):
-        if self._want is None:
+        """transformers on the model's artifact weights (dequantized for a quantized one)."""
+        scheme = model.artifact.scheme.name
+        if scheme not in self._want:
             tokens = [model.tokenizer.encode(p) for p in TRANSFORMERS_PROMPTS]
-            self._want = np.concatenate(gates.transformers_logits(self.source, tokens))
-        return self._want
+            self._want[scheme] = np.concatenate(gates.transformers_logits(self.source, tokens,
+                                                                          scheme))
+        return self._want[scheme]
 
 
 def _vs_transformers(env, model):
@@ -73,6 +78,11 @@ def check_jax_vs_reference(env) -> bool:
 
 def check_jax_vs_transformers(env) -> bool:
     return _vs_transformers(env, env.jax())
+
+
+def check_jax_affine4_vs_transformers(env) -> bool:
+    """On a 4-bit artifact, where bf16-vs-quantized noise (~1e-2) once hid formula bugs."""
+    return _vs_transformers(env, env.jax("affine4_gs32"))
 
 
 def check_pool(env) -> bool:
@@ -161,6 +171,7 @@ CHECKS = {
     "gate: cached decode vs recompute": check_cached_decode,
     "gate: jax vs reference": check_jax_vs_reference,
     "gate: jax vs transformers": check_jax_vs_transformers,
+    "gate: jax vs transformers (affine4_gs32)": check_jax_affine4_vs_transformers,
     "block pool: invariants, no leaked blocks": check_pool,
     "sampling: kept set and penalties vs a sorting oracle": check_sampling,
     "speculative greedy = plain greedy": check_spec,

@@ -17,7 +17,7 @@ from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 
 def attention_variant(*, extra_visible: int = 0, exclude_self: bool = False,
-                      store_decode: bool = True, read_slots=None):
+                      store_decode: bool = True, read_slots=None, first_only: bool = False):
     """A copy of ReferenceBackend._attention with one change; with no change it is bitwise the
     original (tests/test_faults.py checks that, so the faults below stay faithful to it)."""
     read_slots = read_slots or reference._slots
@@ -40,6 +40,7 @@ def attention_variant(*, extra_visible: int = 0, exclude_self: bool = False,
                 if stop <= 0:  # a query that sees nothing: a kernel would write 0 (or NaN)
                     out[row + i] = 0.0
                     continue
+                stop = 1 if first_only else stop  # first_only: sees position 0 alone
                 out[row + i] = ops.attend(grouped[i], keys[:stop], values[:stop])
             row += n
         return out
@@ -89,6 +90,18 @@ def _plant_rope_query_shift(patch):
     patch.setattr(ops, "apply_rope", apply)
 
 
+def _plant_rope_reversed(patch):
+    """Every rotation by -angle (sin negated, queries and keys alike): scores see the
+    relative offset j - p instead of p - j."""
+    tables = ops.rope_tables
+
+    def reversed_tables(positions, theta):
+        cos, sin = tables(positions, theta)
+        return cos, -sin
+
+    patch.setattr(ops, "rope_tables", reversed_tables)
+
+
 def _scaled(module, name, factor):
     original = getattr(module, name)
 
@@ -123,6 +136,12 @@ for fault in (
           (_HF, _GREEDY)),
     Fault("rope-query-shifted-by-one", "forward pass", "kipp.reference.ops.apply_rope",
           "queries rotated for position p + 1, keys for p", _plant_rope_query_shift,
+          (_HF, _GREEDY)),
+    Fault("rope-reversed", "forward pass", "kipp.reference.ops.rope_tables",
+          "queries and keys rotated by -angle: relative offsets change sign",
+          _plant_rope_reversed, (_HF, _GREEDY)),
+    Fault("attention-sees-position-0-only", "forward pass", "kipp.reference.backend._attention",
+          "every query attends to position 0 alone", _plant_attention(first_only=True),
           (_HF, _GREEDY)),
     Fault("causal-mask-sees-next", "forward pass", "kipp.reference.backend._attention",
           "the causal mask is j <= p + 1: a prefill token sees the next one",
