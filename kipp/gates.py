@@ -30,7 +30,7 @@ a factor of at most 10, rounded up to one significant digit. Re-measure with
     PYTHONPATH=. python tools/calibrate_gates.py          # prints measured worst and bounds
 
 after any change to a backend's numerics or to the synthetic checkpoints. The measured values
-are in the comments beside BOUNDS (KIPP_HOME on this machine, 2 CPU cores, synthetic-v3).
+are in the comments beside BOUNDS (KIPP_HOME on this machine, 2 CPU cores, synthetic-v4).
 """
 
 from __future__ import annotations
@@ -481,7 +481,13 @@ def gate_backends(oracle, backend, tokens: Sequence[int], table: Sequence[int],
 def run_gates(model, source_dir, bf16_model=None) -> list[GateResult]:
     """Every gate for `model` (an artifact on a backend) against the HF folder `source_dir`;
     `bf16_model` (the BF16 artifact of the same source) adds the quality report."""
-    results = [gate_source(model.artifact, source_dir), gate_transformers(model, source_dir)]
+    hf = gate_transformers(model, source_dir, limit=_kv_limit(model))
+    if model.backend.kv_scheme != "bf16":  # transformers keeps float32 K/V: nothing to hold
+        hf = GateResult(hf.name, True, hf.metric, float("nan"),
+                        f"{model.backend.kv_scheme} KV, transformers float32 K/V: a report; "
+                        f"the backend vs reference gate holds it; {hf.detail}", hf.measure,
+                        gating=False)
+    results = [gate_source(model.artifact, source_dir), hf]
     if model.entry.is_synthetic:
         results.append(gate_designed(model))
     if model.backend.name != "reference":
@@ -492,11 +498,16 @@ def run_gates(model, source_dir, bf16_model=None) -> list[GateResult]:
     return results
 
 
+def _kv_limit(model) -> float:
+    kv = model.backend.kv_scheme
+    return calibrated_bound(model.backend.name, "transformers") if kv == "bf16" else float("inf")
+
+
 def format_table(results: Sequence[GateResult]) -> str:
     """The results as a table: gate, verdict, measured error, bound, what was measured, detail."""
-    lines = [f"{'gate':36} {'result':6} {'measured':>10} {'bound':>8}  {'measure':26} detail"]
+    lines = [f"{'gate':44} {'result':6} {'measured':>10} {'bound':>8}  {'measure':26} detail"]
     for r in results:
         limit = "report" if not r.gating else f"{r.bound:8.1e}"
-        lines.append(f"{r.name:36} {r.verdict:6} {r.metric:10.3e} {limit:>8}  {r.measure:26} "
+        lines.append(f"{r.name:44} {r.verdict:6} {r.metric:10.3e} {limit:>8}  {r.measure:26} "
                      f"{r.detail}")
     return "\n".join(lines)
