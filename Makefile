@@ -7,7 +7,16 @@ BACKEND ?= auto
 PROMPT ?= The Qwen3 family of language models
 MAX_TOKENS ?= 32
 
-.PHONY: run test test-slow
+# A second line of JAX: the GPU machine's jax 0.11 needs Python >= 3.12 (this venv runs the
+# kernel and JAX-backend tests there; the default venv has jax 0.10 on Python 3.11).
+# (pyenv's python3.12 shim refuses while 3.11 is pyenv's global version: take the binary)
+PYTHON_NEXT ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) python3.12)
+VENV_NEXT ?= .venv312
+JAX_NEXT ?= 0.11.2
+JAX_TESTS ?= tests/test_jax_kernels.py tests/test_jax_backend.py tests/test_jax_sharding.py \
+	tests/test_cuda_compile.py
+
+.PHONY: run test test-slow test-jax-next metal-tools
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +34,29 @@ run: $(VENV)/.base
 	$(VENV)/bin/kipp run $(CHECKPOINT) --scheme $(SCHEME) --backend $(BACKEND) \
 		--prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --temperature 0
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev metal-tools
 	$(VENV)/bin/pytest
 
-test-slow: $(VENV)/.dev
+test-slow: $(VENV)/.dev metal-tools
 	$(VENV)/bin/pytest -m slow
+
+# The Metal emulator (tools/metal_emulator) compiles Kipp's kernels with g++ and checks Metal's
+# address spaces with clang-19: Debian packages, installed here when missing (CI runs as root
+# on Debian); elsewhere the emulator's tests name what is missing.
+metal-tools:
+	@if ! command -v g++ >/dev/null 2>&1 || ! command -v clang++-19 >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ clang-19 >/dev/null; \
+	  else \
+	    echo "make: the Metal emulator wants g++ and clang++-19 (apt-get install g++ clang-19)" >&2; \
+	  fi; \
+	fi
+
+$(VENV_NEXT)/.jax-tests: pyproject.toml
+	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/pip install --quiet --upgrade pip
+	$(VENV_NEXT)/bin/pip install --quiet -e '.[jax-tests]' 'jax==$(JAX_NEXT)'
+	touch $@
+
+test-jax-next: $(VENV_NEXT)/.jax-tests
+	$(VENV_NEXT)/bin/pytest $(JAX_TESTS)

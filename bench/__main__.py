@@ -10,6 +10,8 @@
     campaign  the sized campaign for this machine: ceiling, run, ppl, interop, report
     server    the server workloads (concurrent streaming clients, prefix-reuse TTFT) against
               kipp serve, llama-cpp-python's server and vLLM's, same client (bench/server_bench.py)
+    kernels   compile every Pallas kernel at every registry shape for an H200 (no GPU needed):
+              registers, spills, shared memory, tensor-core dots, roofline (bench/kernels.py)
 """
 
 from __future__ import annotations
@@ -349,6 +351,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
+    p = sub("kernels", "H200 compile report of every kernel shape", checkpoint=False,
+            schemes=None, results=False)
+    p.add_argument("--only", default="", help="cases whose id or checkpoints contain this")
+    p.add_argument("--render-only", action="store_true", help="re-render the newest record")
+    p.add_argument("--no-readme", action="store_true", help="leave bench/README.md alone")
     return parser
 
 
@@ -359,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
               "campaign": cmd_campaign}
     if args.command in simple:
         return simple[args.command](args)
+    if args.command == "kernels":
+        from bench import kernels
+
+        return kernels.main(args, _command(argv))
     return {"run": cmd_run, "ceiling": cmd_ceiling, "ppl": cmd_ppl,
             "interop": cmd_interop, "server": cmd_server}[args.command](args, argv)
 

@@ -8,7 +8,8 @@
 #
 #   bash bench/device_check.sh            # from the repository root, on the GPU machine
 #
-# Every stage has its own time limit, so one that hangs or fails still leaves the others and
+# The last table sets the measured kernel path against the H200 compile report's predicted tok/s
+# (`python -m bench kernels`, bench/README.md). Every stage has its own time limit, so one that hangs or fails still leaves the others and
 # the table. Logs and JSON rows go to $OUT (the device tool's folder) or /tmp/kipp-device-check.
 # Targets (issue 6): decode >= 60% of the HBM roofline single-stream (BF16), and batched
 # aggregate decode >= 6x from 1 to 8 sequences.
@@ -87,4 +88,23 @@ for r in rows:
         print(f"{'':8} {'batched scaling':24} {r['batch']:5d} x{scaling:.2f} aggregate vs 1 "
               f"sequence (target >= 6x at 8)")
 print("targets: decode >= 60% of roofline single-stream (BF16); batched >= 6x from 1 to 8")
+
+# Measured vs the compile report's prediction (bench/kernels.py: kernel roofline times summed
+# over a step; decode at 2,048 positions, prefill of a 512-token chunk, so an upper bound).
+from bench.kernels import latest
+record = latest()
+if record is None:
+    print("\nno kernels record in bench/results: run `python -m bench kernels` first")
+    raise SystemExit(0)
+predicted = {(p["checkpoint"], p["scheme"]): p for p in record["predicted"]}
+print(f"\n{'scheme':8} {'batch':>5} {'decode meas':>11} {'decode pred':>11} {'%':>5} "
+      f"{'prefill meas':>12} {'prefill pred':>12} {'%':>5}   (0.6B, record {record['created']})")
+for r in rows:
+    p = predicted.get(("0.6B", r["scheme"]))
+    if p is None or r["batch"] != 1 or "Triton" not in r["backend"]:
+        continue
+    d, f = p["decode_tok_s"], p["prefill_tok_s"]
+    print(f"{r['scheme']:8} {r['batch']:5d} {r['decode_tok_s']:11.1f} {d:11.1f} "
+          f"{100 * r['decode_tok_s'] / d:5.1f} {r['prefill_tok_s']:12.0f} {f:12.0f} "
+          f"{100 * r['prefill_tok_s'] / f:5.1f}")
 EOF

@@ -67,6 +67,10 @@ class Backend(ABC):
     """A Qwen3 implementation behind Kipp's boundary. Subclasses implement `eval`."""
 
     name: str = "abstract"
+    # True when an item's logits are bitwise the same whatever else shares its eval call (the
+    # reference's per-row arithmetic). Elsewhere a round's shape can change how a row is
+    # reduced, so the scheduler gives each seeded sampled sequence an eval call of its own.
+    batch_invariant: bool = False
 
     def __init__(self, num_blocks: int, context_length: int):
         if num_blocks < 1:

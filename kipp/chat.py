@@ -1,25 +1,41 @@
-"""Qwen3 ChatML: the upstream chat template of tokenizer_config.json, written out in Python.
+"""Qwen3 ChatML: the upstream chat templates of tokenizer_config.json, written out in Python.
 
 render() gives the same text as transformers' apply_chat_template(..., tokenize=False) with the
 Qwen3 template (tests/test_chat.py compares them), including tool definitions, tool calls, tool
 results and the reasoning rules: an assistant turn after the last real user query keeps its
-<think> block; earlier ones lose it.
+<think> block; earlier ones lose it. `template="qwen3-thinking-2507"` renders the
+Qwen3-4B-Thinking-2507 template instead (the same turns; its generation prompt always opens a
+think block). `template_name` maps a checkpoint's template text to one of these, or refuses it.
+
+The model's side of a tool call is parsed back here too: `parse_tool_calls` splits Qwen3's
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks out of generated text, and
+`ToolCallStream` does the same on streamed text.
 
 Usage:
     require_chat_template(checkpoint)  # base checkpoints have no template
     prompt = render([{"role": "user", "content": "Hi"}], enable_thinking=False)
+    content, calls = parse_tool_calls(generated_text)
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 from kipp.errors import KippError
 
 ROLES = ("system", "user", "assistant", "tool")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+OPEN_THINK = "<think>\n"
+TEMPLATES = ("qwen3", "qwen3-thinking-2507")  # what render(template=...) can render
+# Registry entries whose upstream template is not the hybrid Qwen3 one. Instruct-2507's exact
+# text could not be verified offline (data/chat-templates/PROVENANCE.md): no renderer for it.
+ENTRY_TEMPLATES = {"Qwen/Qwen3-4B-Thinking-2507": "qwen3-thinking-2507",
+                   "Qwen/Qwen3-4B-Instruct-2507": "qwen3-instruct-2507"}
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # transformers (>= 5) reads a message's reasoning under these names, first non-None wins.
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -53,17 +69,21 @@ class _Message:
 
 
 def render(messages, add_generation_prompt: bool = True, enable_thinking: bool = True,
-           tools: Sequence[Mapping] | None = None) -> str:
+           tools: Sequence[Mapping] | None = None, template: str = "qwen3") -> str:
     """The ChatML prompt for messages, as the Qwen3 chat template renders it.
 
     messages: dicts with "role" (system, user, assistant, tool) and "content" (str); assistant
     messages may carry "reasoning_content" and "tool_calls" ([{"function": {"name", "arguments"}}]).
     enable_thinking=False appends the empty think block after the generation prompt, which is
     how Qwen3 is told to answer without reasoning. tools: JSON-schema dicts, shown in the system
-    turn.
+    turn. template: one of TEMPLATES ("qwen3-thinking-2507" ignores enable_thinking, as its
+    upstream template does).
     """
     if not isinstance(enable_thinking, bool) or not isinstance(add_generation_prompt, bool):
         raise ChatError("add_generation_prompt and enable_thinking must be booleans")
+    if template not in TEMPLATES:
+        raise ChatError(f"unknown chat template {template!r}; kipp.chat renders "
+                        f"{', '.join(TEMPLATES)}")
     parsed = _parse_messages(messages)
     parts = [_system_header(parsed, _parse_tools(tools))]
     last_query = _last_query_index(parsed)
@@ -71,9 +91,49 @@ def render(messages, add_generation_prompt: bool = True, enable_thinking: bool =
         parts.append(_render_message(parsed, i, last_query))
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
-        if not enable_thinking:
+        if template == "qwen3-thinking-2507":
+            parts.append(OPEN_THINK)
+        elif not enable_thinking:
             parts.append(EMPTY_THINK)
     return "".join(parts)
+
+
+def close_reasoning(prompt: str, template: str = "qwen3") -> str:
+    """The prompt with an empty, closed think block after the generation prompt: the answer
+    starts at once. Constrained requests use it, since their grammar governs the answer, not
+    free reasoning (hybrid: what enable_thinking=False renders; Thinking-2507: its opened
+    block closed empty)."""
+    if prompt.endswith(EMPTY_THINK):
+        return prompt
+    if prompt.endswith("<|im_start|>assistant\n" + OPEN_THINK):
+        return prompt + "\n</think>\n\n"
+    if template == "qwen3" and prompt.endswith("<|im_start|>assistant\n"):
+        return prompt + EMPTY_THINK
+    return prompt
+
+
+def template_name(chat_template: str | None) -> str:
+    """Which of TEMPLATES a checkpoint's template text is; ChatError if none (a template
+    kipp.chat does not render must not be approximated)."""
+    if chat_template is None:
+        raise ChatError("this checkpoint has no chat template (a base checkpoint): it takes "
+                        "plain text prompts, not chat messages")
+    if chat_template == qwen3_chat_template():
+        return "qwen3"
+    if chat_template == thinking_2507_template():
+        return "qwen3-thinking-2507"
+    raise ChatError("this checkpoint's chat template is not one kipp.chat renders (the hybrid "
+                    "Qwen3 template or Qwen3-4B-Thinking-2507's); see "
+                    "kipp/data/chat-templates/PROVENANCE.md")
+
+
+@lru_cache(maxsize=1)
+def thinking_2507_template() -> str:
+    """The Qwen3-4B-Thinking-2507 template text Kipp carries (data/chat-templates)."""
+    from importlib import resources
+
+    path = resources.files("kipp").joinpath("data/chat-templates/qwen3-thinking-2507.jinja")
+    return path.read_text(encoding="utf-8")
 
 
 def require_chat_template(source) -> None:
@@ -91,9 +151,7 @@ def require_chat_template(source) -> None:
     if template is None:
         raise ChatError("this tokenizer has no chat template (a base checkpoint): it takes plain "
                         "text prompts, not chat messages")
-    if template != qwen3_chat_template():
-        raise ChatError("this checkpoint's chat template is not the Qwen3 template kipp.chat "
-                        "renders")
+    template_name(template)
 
 
 def qwen3_chat_template() -> str:
@@ -235,3 +293,111 @@ def _render_tool(messages: list[_Message], i: int) -> str:
     last = i == len(messages) - 1 or messages[i + 1].role != "tool"
     text = f"\n<tool_response>\n{messages[i].content}\n</tool_response>"
     return ("<|im_start|>user" if first else "") + text + ("<|im_end|>\n" if last else "")
+
+
+def entry_template(checkpoint_id: str) -> str:
+    """The template a registry entry ships upstream (a name; not all of them have a renderer)."""
+    return ENTRY_TEMPLATES.get(checkpoint_id, "qwen3")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: OpenAI's shape (`arguments` is JSON text)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    @property
+    def parsed_arguments(self):
+        return json.loads(self.arguments)
+
+    def openai(self, index: int | None = None) -> dict:
+        """The OpenAI tool_calls entry (with its `index` for a stream chunk)."""
+        call = {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _tool_call(body: str) -> ToolCall | None:
+    """A <tool_call> block's body as a ToolCall, or None when it is not a valid call."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return None
+        return ToolCall(value["name"], arguments)
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class ToolCallStream:
+    """Splits streamed model text into content and tool calls.
+
+    feed(text) and flush() return pieces: ("content", str) or ("tool_call", ToolCall). Text that
+    could be the start of a <tool_call> block is held back until it is decided; a block whose
+    body is not a valid call stays content; blank text next to a call is dropped.
+    """
+
+    def __init__(self):
+        self.pending = ""
+        self.calls = 0
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        self.pending += text
+        out: list[tuple[str, object]] = []
+        while True:
+            start = self.pending.find(TOOL_CALL_OPEN)
+            if start < 0:
+                break
+            end = self.pending.find(TOOL_CALL_CLOSE, start)
+            if end < 0:
+                self._content(self.pending[:start], out, next_is_call=True)
+                self.pending = self.pending[start:]
+                return out
+            block_end = end + len(TOOL_CALL_CLOSE)
+            call = _tool_call(self.pending[start + len(TOOL_CALL_OPEN):end])
+            self._content(self.pending[:start], out, next_is_call=call is not None)
+            if call is None:
+                out.append(("content", self.pending[start:block_end]))
+            else:
+                out.append(("tool_call", call))
+                self.calls += 1
+            self.pending = self.pending[block_end:]
+        hold = max((k for k in range(1, len(TOOL_CALL_OPEN))
+                    if self.pending.endswith(TOOL_CALL_OPEN[:k])), default=0)
+        if self.calls and not self.pending[:len(self.pending) - hold].strip():
+            return out  # blank text after a call: wait to see whether another call follows
+        self._content(self.pending[:len(self.pending) - hold], out)
+        self.pending = self.pending[len(self.pending) - hold:]
+        return out
+
+    def flush(self) -> list[tuple[str, object]]:
+        """The end of the text: whatever is held is content (blank text after a call is not)."""
+        out: list[tuple[str, object]] = []
+        self._content(self.pending, out)
+        self.pending = ""
+        return out
+
+    def _content(self, text: str, out: list, next_is_call: bool = False) -> None:
+        """Emit text as content, unless it is blank and next to a call."""
+        if text and (text.strip() or not (next_is_call or self.calls)):
+            out.append(("content", text))
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole generated text. content is None when there are calls and
+    no other text, as OpenAI answers."""
+    stream = ToolCallStream()
+    pieces = stream.feed(text) + stream.flush()
+    content = "".join(value for kind, value in pieces if kind == "content")
+    calls = [value for kind, value in pieces if kind == "tool_call"]
+    if calls and not content.strip():
+        return None, calls
+    return content, calls

@@ -119,7 +119,8 @@ def _serve(args) -> None:
     model = _load(args)
     serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           prefill_chunk=args.prefill_chunk, threads=args.threads,
-          chat_max_tokens=args.chat_max_tokens, speculative=args.spec)
+          chat_max_tokens=args.chat_max_tokens, speculative=args.spec,
+          drain_timeout=args.drain_timeout)
 
 
 def _bench(args) -> int:
@@ -235,7 +236,11 @@ def _parser() -> argparse.ArgumentParser:
                       "the tokens of bf16 in the same MiB)")
     p.add_argument("--threads", type=int, default=96, help="HTTP worker threads")
     p.add_argument("--chat-max-tokens", type=int,
-                   help="max_tokens of a chat request that gives none (default 1024)")
+                   help="max_tokens of a chat request that gives none (default 1024, cut to "
+                   "the request's share of the KV pool: pool / max-batch)")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT: seconds until exit; running requests may finish "
+                   "until shortly before it (default 10)")
     p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
     p.set_defaults(run=_serve)

@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kipp import stops
 from kipp.artifact import Artifact, open_artifact
 from kipp.blocks import BLOCK_SIZE, BlockPool
 from kipp.errors import KippError
@@ -211,34 +212,137 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
                  stream: bool = False, stop: Sequence[str] | str | None = None,
-                 speculative: bool | SpecConfig = False, **sampling) -> "str | Generation":
+                 speculative: bool | SpecConfig = False, json_schema=None,
+                 regex: str | None = None, grammar=None, **sampling) -> "str | Generation":
         """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
         Generation: an iterator of text pieces whose `.stats` fill in as it runs. Sampling
         keywords are those of SamplingParams (temperature, top_p, top_k, min_p, penalties,
         logit_bias, seed). `speculative=True` (greedy only: temperature=0 or top_k=1) emits
         the same tokens in fewer evals (kipp.spec; a SpecConfig picks the drafter and gate);
-        `.stats.spec` counts its drafts."""
+        `.stats.spec` counts its drafts.
+
+        Constrained decoding (kipp.grammar), at most one of: `json_schema` (a dict, JSON text
+        or pydantic model class: the output is one JSON value valid against it), `regex` (the
+        output matches it in full), `grammar` (Lark or GBNF text, or a kipp.grammar.Grammar).
+        Generation ends ("stop") as soon as the grammar is complete."""
         generation = Generation(self, self.prompt_ids(prompt), max_tokens, stop,
-                                SamplingParams(**sampling), speculative=speculative)
+                                SamplingParams(**sampling), speculative=speculative,
+                                grammar=constraint(json_schema, regex, grammar))
         return generation if stream else "".join(generation)
 
     def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,
-             stream: bool = False, **kwargs) -> "str | Generation":
-        """Generate the assistant's reply to `messages` (instruct checkpoints only)."""
-        from kipp.chat import render
+             stream: bool = False, response_format=None, tools=None, tool_choice=None,
+             parallel_tool_calls: bool = True, **kwargs) -> "str | ChatReply | Generation":
+        """Generate the assistant's reply to `messages` (instruct checkpoints only).
+
+        `response_format`: OpenAI's ({"type": "json_object"}, {"type": "json_schema",
+        "json_schema": {"name", "schema"}}), a pydantic model class or a JSON Schema dict; the
+        reply is then JSON text that validates. `tools` (OpenAI function tools) are shown to
+        the model and its <tool_call> blocks parsed: the result is a ChatReply with `content`
+        and `tool_calls`. `tool_choice`: "auto" (default), "none", "required" (one or more
+        calls; exactly one unless `parallel_tool_calls`) or {"type": "function", "function":
+        {"name": ...}}; required and named calls are constrained to valid calls whose arguments
+        match the function's schema. A constrained reply starts after an empty think block.
+        With stream=True the text pieces come as they are made (kipp.chat.parse_tool_calls
+        splits the whole text afterwards)."""
+        from kipp.chat import close_reasoning, render
 
         if not self.entry.has_chat_template:
             raise GenerationError(f"{self.entry.id} is a base checkpoint: it has no chat "
                                   f"template; use generate()")
-        text = render(messages, add_generation_prompt=True, enable_thinking=enable_thinking)
-        return self.generate(text, max_tokens, stream=stream, **kwargs)
+        grammar = chat_constraint(response_format, tools, tool_choice, parallel_tool_calls)
+        template = self.chat_template
+        text = render(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
+                      tools=tools, template=template)
+        if grammar is not None:
+            text = close_reasoning(text, template)
+        generation = self.generate(text, max_tokens, stream=True, grammar=grammar, **kwargs)
+        if stream:
+            return generation
+        reply = "".join(generation)
+        if not tools or tool_choice == "none":
+            return reply
+        return ChatReply.parse(reply, generation.stats.finish_reason)
+
+    @property
+    def chat_template(self) -> str:
+        """The name of the chat template this checkpoint renders with (kipp.chat.TEMPLATES):
+        the artifact's template text must be the one its registry entry ships upstream."""
+        from kipp.chat import ChatError, entry_template, template_name
+
+        name = template_name(self.tokenizer.data.chat_template)
+        expected = entry_template(self.entry.id)
+        if name != expected:
+            raise ChatError(f"{self.entry.id} ships the {expected} chat template upstream, but "
+                            f"this artifact carries the {name} one")
+        return name
+
+
+def constraint(json_schema=None, regex=None, grammar=None):
+    """generate()'s constraint keywords as one kipp.grammar.Grammar (None: unconstrained)."""
+    from kipp import grammar as g
+
+    given = [k for k, v in (("json_schema", json_schema), ("regex", regex),
+                            ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise GenerationError(f"give at most one of json_schema, regex and grammar, not "
+                              f"{' and '.join(given)}")
+    if json_schema is not None:
+        return g.json_schema_grammar(json_schema)
+    if regex is not None:
+        return g.regex_grammar(regex)
+    if isinstance(grammar, g.Grammar) or grammar is None:
+        return grammar
+    return g.lark_grammar(grammar)
+
+
+def chat_constraint(response_format, tools, tool_choice, parallel_tool_calls=True):
+    """chat()'s (and the server's) response_format / tool_choice as one Grammar, or None."""
+    from kipp import grammar as g
+
+    functions = g.function_tools(tools) if tools is not None else None
+    forced = g.tool_choice_grammar(functions, tool_choice, parallel_tool_calls)
+    formatted = g.response_format_grammar(response_format, bare_schema=True)
+    if forced is not None and formatted is not None:
+        raise GenerationError("tool_choice forces a tool call, so response_format cannot "
+                              "also constrain the reply; give one of them")
+    return forced or formatted
+
+
+@dataclass
+class ChatReply:
+    """A chat() reply when tools were offered: the text and the calls the model made."""
+
+    content: str | None
+    tool_calls: list
+    finish_reason: str | None
+
+    @classmethod
+    def parse(cls, text: str, finish_reason: str | None) -> "ChatReply":
+        from kipp.chat import parse_tool_calls
+
+        content, calls = parse_tool_calls(text)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return cls(content, calls, finish_reason)
+
+    @property
+    def message(self) -> dict:
+        """The assistant message to append to the conversation (OpenAI's shape)."""
+        message = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.openai() for call in self.tool_calls]
+        return message
+
+    def __str__(self) -> str:
+        return self.content or ""
 
 
 class Generation:
     """One streaming generation: iterate for text pieces; `stats` has counts and timings."""
 
     def __init__(self, model: Model, prompt: list[int], max_tokens: int, stop, params,
-                 speculative: bool | SpecConfig = False):
+                 speculative: bool | SpecConfig = False, grammar=None):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         room = model.entry.context_length - len(prompt)
@@ -256,6 +360,14 @@ class Generation:
         self.max_tokens = max_tokens
         self.stops = StopStrings([stop] if isinstance(stop, str) else list(stop or []))
         self.sampler = Sampler(params)
+        self.matcher = None
+        if grammar is not None:
+            from kipp.grammar import Matcher, grammar_tokenizer, masks_ahead
+
+            self.matcher = Matcher(grammar_tokenizer(model.tokenizer,
+                                                     model.entry.stop_token_ids), grammar)
+            self._masks_ahead = masks_ahead(model.backend)
+        self._grammar_done = False
         self.speculative = SpecConfig() if speculative is True else speculative or None
         self.stats = GenerationStats(prompt_tokens=len(prompt),
                                      spec=SpecStats() if speculative else None)
@@ -301,16 +413,34 @@ class Generation:
         evaluate = self._timed(session)
         if self.speculative:
             config = self.speculative
-            decoder = SpeculativeDecoder(session, self.sampler.sample, drafter=config.drafter(),
+            decoder = SpeculativeDecoder(session, self._pick, drafter=config.drafter(),
                                          gate=config.gate(), evaluate=evaluate,
                                          history_matters=self.sampler.params.has_penalties)
             decoder.stats = self.stats.spec
             yield from decoder.tokens(logits, session.tokens, self.max_tokens)
             return
         while True:
-            token = self.sampler.sample(logits, session.tokens)
+            token = self._pick(logits, session.tokens)
             yield token
+            if self._grammar_done:  # only a stop token can follow: emit it without an eval
+                yield self.model.entry.stop_token_ids[0]
+                return
             logits = evaluate([token], 1)[0]
+
+    def _pick(self, logits: np.ndarray, history) -> int:
+        """The next token; under a grammar, from its mask, and the grammar advanced past it
+        (every picked token is emitted, so it is consumed at once: a speculative draft the
+        grammar bars is rejected by the mask, and nothing needs rolling back)."""
+        matcher = self.matcher
+        if matcher is None:
+            return self.sampler.sample(logits, history)
+        token = self.sampler.sample(logits, history, matcher.allowed())
+        if token not in self.model.entry.stop_token_ids:
+            matcher.consume(token)
+            self._grammar_done = matcher.complete
+            if not self._grammar_done and self._masks_ahead:
+                matcher.prefetch()  # the next mask, while the backend evaluates this token
+        return token
 
     def _timed(self, session: Session):
         def evaluate(tokens: list[int], rows: int) -> np.ndarray:
@@ -323,33 +453,11 @@ class Generation:
         return evaluate
 
 
-class StopStrings:
-    """Holds back streamed text while it could still become a stop string."""
+class StopStrings(stops.StopStrings):
+    """Holds back streamed text while it could still become a stop string (kipp.stops)."""
 
-    def __init__(self, stops: list[str]):
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise GenerationError("stop strings must be non-empty strings")
-        self.stops = stops
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Return (text safe to emit now, whether a stop string was reached)."""
-        self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            emit, self.pending, self.stopped = self.pending[:cut], "", True
-            return emit, True
-        hold = max((k for s in self.stops for k in range(1, len(s))
-                    if self.pending.endswith(s[:k])), default=0)
-        emit = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(emit):]
-        return emit, False
-
-    def flush(self, text: str = "") -> str:
-        emit, stopped = self.feed(text)
-        if stopped:
-            return emit
-        emit, self.pending = emit + self.pending, ""
-        return emit
+    def __init__(self, strings):
+        try:
+            super().__init__(strings)
+        except stops.StopError as e:
+            raise GenerationError(str(e)) from None

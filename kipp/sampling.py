@@ -14,6 +14,8 @@ Order of operations in `Sampler.sample` (x is a float32 copy of the logits):
    Repetition comes first, as in llama.cpp's penalties step (note that llama.cpp's default
    chain applies temperature after top_k/top_p/min_p; Kipp applies it before, as listed
    here). `adjusted_logits` returns x after this step.
+2b. allowed (a grammar's mask, kipp.grammar): ids outside it get -inf, so no later step can
+   pick them; greedy, top_k, top_p and min_p then act on the admitted ids only.
 3. temperature == 0 (or top_k == 1): argmax of x; ties go to the lowest id; no RNG draw.
 4. otherwise divide by temperature; the weights are w = exp((x - max x) / T), so the most
    likely token has weight exactly 1.
@@ -192,6 +194,16 @@ def _adjust_in_place(x: np.ndarray, recent_tokens, params: SamplingParams) -> No
     x[ids] = v
 
 
+def _mask_in_place(x: np.ndarray, allowed: np.ndarray, scratch: np.ndarray) -> None:
+    """Step 2b: x[id] = -inf for every id the mask does not allow."""
+    if allowed.shape != x.shape or allowed.dtype != np.bool_:
+        raise SamplingError(f"allowed must be a bool mask of shape {x.shape}, got "
+                            f"{allowed.dtype} {allowed.shape}")
+    if not allowed.any():
+        raise SamplingError("the grammar allows no token here")
+    np.putmask(x, np.logical_not(allowed, out=scratch), np.float32(-np.inf))
+
+
 def adjusted_logits(
     logits: np.ndarray, recent_tokens: Sequence[int], params: SamplingParams
 ) -> np.ndarray:
@@ -317,14 +329,18 @@ class Sampler:
         self._keys = np.empty(n, dtype=np.intp)
         self._mask = np.empty(n, dtype=np.bool_)
 
-    def sample(self, logits: np.ndarray, recent_tokens: Sequence[int] = ()) -> int:
-        """One token id from logits [vocab] (float32), given the sequence so far."""
+    def sample(self, logits: np.ndarray, recent_tokens: Sequence[int] = (),
+               allowed: np.ndarray | None = None) -> int:
+        """One token id from logits [vocab] (float32), given the sequence so far. `allowed`
+        (bool [vocab], a grammar's mask) restricts the pick to the ids it marks."""
         x = _check_logits(logits, self.vocab_size)
         p = self.params
-        if p.logit_bias or p.has_penalties:  # adjust a private copy, never the caller's
+        if p.logit_bias or p.has_penalties or allowed is not None:  # a private copy
             np.copyto(self._logits, x)
             x = self._logits
             _adjust_in_place(x, recent_tokens, p)
+            if allowed is not None:
+                _mask_in_place(x, allowed, self._mask)
         m = np.float32(_max_finite(x))
         if p.is_greedy:
             return int(np.argmax(x))

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from kipp import registry
-from kipp.chat import ChatError, render, require_chat_template
+from kipp.chat import (TEMPLATES, ChatError, close_reasoning, entry_template, render,
+                       require_chat_template, template_name, thinking_2507_template)
 from kipp.tokenizer import TokenizerData
 from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
@@ -187,5 +188,83 @@ def test_tokenizer_data_needs_the_qwen3_template():
     require_chat_template(TokenizerData(("a",), (1,), (), 0, template))
     with pytest.raises(ChatError, match="no chat template"):
         require_chat_template(TokenizerData(("a",), (1,), (), 0, None))
-    with pytest.raises(ChatError, match="not the Qwen3 template"):
+    with pytest.raises(ChatError, match="not one kipp.chat renders"):
         require_chat_template(TokenizerData(("a",), (1,), (), 0, template + " "))
+    require_chat_template(TokenizerData(("a",), (1,), (), 0, thinking_2507_template()))
+
+
+# -- the other templates, and tools on every conversation ---------------------------------
+
+TOOL_SETS = {"no tools": None, "one tool": [WEATHER_TOOL], "two tools": [WEATHER_TOOL, CALC_TOOL]}
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+@pytest.mark.parametrize("tools", TOOL_SETS)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_every_conversation_with_tools_matches_transformers(hf_tokenizer, name, tools,
+                                                            generation_prompt):
+    messages, tool_list = CONVERSATIONS[name], TOOL_SETS[tools]
+    expected = upstream(hf_tokenizer, messages, tools=tool_list,
+                        add_generation_prompt=generation_prompt)
+    assert render(messages, tools=tool_list, add_generation_prompt=generation_prompt) == expected
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+@pytest.mark.parametrize("tools", TOOL_SETS)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_thinking_2507_template_matches_transformers(hf_tokenizer, name, tools,
+                                                     generation_prompt, thinking):
+    """The Qwen3-4B-Thinking-2507 template Kipp carries, rendered by transformers' jinja, and
+    kipp.chat's Python rendering of it (enable_thinking is ignored by both)."""
+    messages, tool_list = CONVERSATIONS[name], TOOL_SETS[tools]
+    expected = upstream(hf_tokenizer, messages, tools=tool_list,
+                        chat_template=thinking_2507_template(),
+                        add_generation_prompt=generation_prompt, enable_thinking=thinking)
+    assert render(messages, tools=tool_list, add_generation_prompt=generation_prompt,
+                  enable_thinking=thinking, template="qwen3-thinking-2507") == expected
+
+
+def test_thinking_2507_template_file_is_the_recorded_one():
+    import hashlib
+
+    text = thinking_2507_template()
+    assert len(text) == 4049
+    assert hashlib.sha256(text.encode()).hexdigest() == (
+        "3802169b2a02b81e6adb7ab4f64f91ff02db753c8c3a64a01c35192d3a61d8d7")
+    assert text.endswith("{{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}")
+
+
+def test_template_names_and_entries():
+    assert template_name(tokenizer_config("instruct")["chat_template"]) == "qwen3"
+    assert template_name(thinking_2507_template()) == "qwen3-thinking-2507"
+    with pytest.raises(ChatError, match="no chat template"):
+        template_name(None)
+    with pytest.raises(ChatError, match="PROVENANCE"):
+        template_name("{{ messages }}")
+    assert entry_template("Qwen/Qwen3-0.6B") == "qwen3"
+    assert entry_template("Qwen/Qwen3-4B-Thinking-2507") == "qwen3-thinking-2507"
+    assert entry_template("Qwen/Qwen3-4B-Instruct-2507") not in TEMPLATES  # no verified text
+    with pytest.raises(ChatError, match="unknown chat template"):
+        render([HI], template="qwen3-instruct-2507")
+
+
+def test_close_reasoning_starts_the_answer_at_once(hf_tokenizer):
+    hybrid = render([HI])
+    assert close_reasoning(hybrid) == upstream(hf_tokenizer, [HI], add_generation_prompt=True,
+                                               enable_thinking=False)
+    assert close_reasoning(render([HI], enable_thinking=False)) == render([HI],
+                                                                          enable_thinking=False)
+    thinking = render([HI], template="qwen3-thinking-2507")
+    assert close_reasoning(thinking, "qwen3-thinking-2507").endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_model_refuses_a_template_its_entry_does_not_ship(models, monkeypatch):
+    model = models("kipp-synthetic/qwen3-tiny")
+    assert model.chat_template == "qwen3"
+    import kipp.chat
+
+    monkeypatch.setitem(kipp.chat.ENTRY_TEMPLATES, model.entry.id, "qwen3-thinking-2507")
+    with pytest.raises(ChatError, match="ships the qwen3-thinking-2507 chat template"):
+        model.chat_template

@@ -169,6 +169,7 @@ def test_whole_step_with_kernels_lowers_for_cuda(artifacts, scheme):
     from jax import export
 
     from kipp.cuda import forward, layout, rounds
+    from kipp.cuda.aot import gpu_target
 
     artifact = open_artifact(artifacts(UNTIED, scheme))
     params = layout.prepare_weights(artifact, "device")
@@ -181,8 +182,9 @@ def test_whole_step_with_kernels_lowers_for_cuda(artifacts, scheme):
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for items in ([EvalItem(_tokens(0, 40), 0, (1, 2), 3)], [EvalItem((7,), 40, (1, 2))]):
         _, arrays, _ = rounds.pack_round(items, rounds.plan_rounds(items, 512)[0], BLOCKS)
-        exported = export.export(step, platforms=["cuda"], disabled_checks=[triton])(
-            params, kv, rope, jax.tree.map(spec, arrays))
+        with gpu_target():  # jax >= 0.11: the target GPU comes from a scoped abstract mesh
+            exported = export.export(step, platforms=["cuda"], disabled_checks=[triton])(
+                params, kv, rope, jax.tree.map(spec, arrays))
         assert exported.mlir_module().count("xla.gpu.triton") >= 3
 
 

@@ -5,12 +5,13 @@ the reference on the synthetic checkpoints, every weight scheme, with DESIGN.md'
 identical argmax (up to numerical near-ties, gates.argmax_check) and NMSE <= 1e-4 at every
 prefill and decode position; a scrambled block table bitwise equal to the identity table;
 batched mixed-length eval equal to isolated within the bound. The Metal kernels' Python-side
-checks and source strings are tested everywhere; running them (kernel vs twin vs reference,
-and the whole model on the kernels) needs Metal and is skipped here: bench/mac_check.sh runs
-this file on a Mac, where those tests execute.
+checks and source strings are tested everywhere; their Metal sources run here on the Metal
+emulator (tests/test_metal_kernels.py). The tests below marked needs_metal run them on the GPU
+and are skipped here: bench/mac_check.sh runs this file on a Mac, where those tests execute.
 """
 
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -87,6 +88,29 @@ def test_stream_splits_match_reference(artifacts, monkeypatch, streams):
     assert len(mb.ops.streams) == int(streams)
     assert len(mb.weights.layers[0]["ffn"].down) == int(streams)
     _gate(ref, mb, prompt_len=12, decode_steps=1, rows=4)
+
+
+def test_evaluates_on_threads_other_than_the_loading_one(artifacts, monkeypatch):
+    """A server loads the model on one thread and evaluates on others; MLX binds a stream to
+    the thread that made it, so each thread must get its own (several streams: the twins'
+    split). The second thread's logits equal the loading thread's, bit for bit."""
+    monkeypatch.setenv(select.STREAMS_ENV, "2")
+    _, mb = _backends(artifacts, TINY, "q8_0", path="twins")
+    prompt = _tokens(1, 20)
+    [here] = mb.eval([EvalItem(prompt, 0, (0,), 4)])
+    there, failure = [], []
+
+    def worker():
+        try:
+            there.extend(mb.eval([EvalItem(prompt, 0, (1,), 4)]))
+        except Exception as e:  # reported below, on the test's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not failure, failure
+    assert np.array_equal(here.view(np.uint32), there[0].view(np.uint32))
 
 
 def test_scrambled_block_table_is_bitwise_identity(artifacts):
@@ -636,12 +660,19 @@ def _emulated_decode_attention(kv_scheme):
     return call
 
 
+def _standin_runner(spec):
+    """A kernel runner (kipp.apple.metal) whose kernels are the numpy stand-ins above."""
+    if spec.name.startswith("kipp_decode_attention_"):
+        return _emulated_decode_attention(spec.name.removeprefix("kipp_decode_attention_"))
+    _, kind, fmt = spec.name.split("_", 2)
+    return _emulated_linear(kind, fmt)
+
+
 @pytest.fixture
-def emulated_kernels(monkeypatch):
-    monkeypatch.setattr(select, "choose_path",
-                        lambda requested="auto", metal=None: select.Choice(True, "emulated"))
-    monkeypatch.setattr(linear, "kernel", _emulated_linear)
-    monkeypatch.setattr(attention, "kernel", _emulated_decode_attention)
+def emulated_kernels():
+    """MLXBackend options running the kernel path on the numpy stand-ins (the real Metal
+    sources run on the Metal emulator: tests/test_metal_kernels.py)."""
+    return {"kernel_runner": _standin_runner}
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -649,12 +680,12 @@ def test_kernel_path_glue_with_emulated_kernels(artifacts, emulated_kernels, sch
     """The kernel path end to end (weights as stored, three Q/K/V calls, the FFN and head on
     the kernels, decode rounds through tables and lengths, split-K merge) with numpy standing
     in for Metal: whatever is wrong outside the Metal sources fails here, on any machine."""
-    ref, mb = _backends(artifacts, UNTIED, scheme)
+    ref, mb = _backends(artifacts, UNTIED, scheme, **emulated_kernels)
     assert mb.choice.kernels and "as stored" in mb.describe()
     _gate(ref, mb, prompt_len=40, decode_steps=2, rows=3)
 
 
 def test_kernel_path_glue_with_q8_0_kv(artifacts, emulated_kernels):
-    ref, mb = _backends(artifacts, TINY, "q8_0", kv_scheme="q8_0")
+    ref, mb = _backends(artifacts, TINY, "q8_0", kv_scheme="q8_0", **emulated_kernels)
     assert mb.choice.kernels and "q8_0 KV" in mb.describe()
     _gate(ref, mb, prompt_len=40, decode_steps=2, rows=3)

@@ -187,7 +187,7 @@ def test_rejections_name_the_limit(model):
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
     with pytest.raises(SchedulerError, match="KV blocks") as e:
         scheduler.submit(Request(prompt=(1, 2), max_tokens=context // 2, n=8))
-    assert (e.value.param, e.value.code) == (None, None)
+    assert (e.value.param, e.value.code) == ("max_tokens", "kv_capacity_exceeded")
     with pytest.raises(SchedulerError, match="max_tokens") as e:
         scheduler.submit(Request(prompt=(1, 2), max_tokens=0))
     assert e.value.param == "max_tokens"

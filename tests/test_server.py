@@ -22,6 +22,7 @@ pytest.importorskip("prometheus_client")
 from kipp.model import load  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
+NO_END = {"151643": -100, "151645": -100}  # no <|endoftext|>, no <|im_end|>: runs to max_tokens
 
 
 class Server:
@@ -328,7 +329,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": TINY}, 400, "prompt"),
     ("/v1/completions", {"model": TINY, "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"model": TINY, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": TINY, "prompt": [1.0, 2.5]}, 400, "prompt"),
+    ("/v1/completions", b"[" * 50_000 + b"]" * 50_000, 400, None),
     ("/v1/completions", {"model": TINY, "prompt": [1, 999999]}, 400, "prompt"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "n": 9}, 400, "n"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "n": "2"}, 400, "n"),
@@ -340,7 +342,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "logprobs": 6}, 400, "logprobs"),
-    ("/v1/completions", {"model": TINY, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": TINY, "prompt": "x", "echo": 1}, 400, "echo"),
+    ("/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
@@ -349,6 +352,12 @@ BAD_REQUESTS = [
      "logit_bias"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "logit_bias": {"5": 101}}, 400,
      "logit_bias"),
+    ("/v1/completions", {"model": TINY, "prompt": "x", "logit_bias": {"200000": 1}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": TINY, "prompt": "x", "logit_bias": {"7": 1, "007": 2}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": TINY, "prompt": "x", "n": 8, "max_tokens": 3000}, 400,
+     "max_tokens"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "frequency_penalty": 3}, 400,
      "frequency_penalty"),
     ("/v1/completions", {"model": TINY, "prompt": "x", "seed": 1.5}, 400, "seed"),
@@ -363,15 +372,21 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400,
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "nope"}}}}, 400,
      "response_format"),
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
                               "chat_template_kwargs": {"foo": 1}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 10_000}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user",
+                                                           "content": "x " * 5000}]}, 400,
+     "messages"),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
-                         ids=[f"{i}-{b if isinstance(b, bytes) else json.dumps(b)[:60]}"
+                         ids=[f"{i}-{(b if isinstance(b, bytes) else json.dumps(b))[:60]}"
                               for i, (_, b, _, _) in enumerate(BAD_REQUESTS)])
 def test_bad_requests_get_openai_errors(server, path, body, status, param):
     if isinstance(body, bytes):
@@ -426,3 +441,106 @@ def test_base_checkpoint_refuses_chat_and_a_full_queue_answers_503(artifacts):
     first.join(30)
     scheduler.stop()
     assert model.pool.num_in_use == 0
+
+
+def _active(server) -> float:
+    return server.metrics()["kipp_active_requests"]
+
+
+def test_a_plain_request_whose_client_left_is_cancelled(server):
+    """A non-streamed request stops when its client goes away (it used to run to max_tokens,
+    holding its KV blocks, while clients that retry on timeout piled up more)."""
+    _wait_idle(server)
+    before = server.metrics()
+    cancelled = before["kipp_requests_cancelled_total"]
+    generated = before["kipp_generated_tokens_total"]
+    body = json.dumps({"model": TINY, "prompt": "a client that times out", "max_tokens": 3000,
+                       "temperature": 0, "logit_bias": NO_END}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.time() + 60
+    while _active(server) < 1:
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.05)
+    sock.close()  # like curl --max-time
+    gone = time.time()
+    m = _wait_idle(server, timeout=30)
+    print(f"\nplain request cancelled {time.time() - gone:.2f} s after its client left")
+    assert m["kipp_requests_cancelled_total"] == cancelled + 1
+    assert m["kipp_generated_tokens_total"] - generated < 3000
+
+
+def _read_sse(port: int, body: dict, results: dict, key, first: threading.Event):
+    """Read a whole response with http.client: a stream that ends mid-chunk raises."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if not body.get("stream"):
+            results[key] = (response.status, json.loads(response.read()))
+            return
+        events = []
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip().decode())
+                first.set()
+        results[key] = (response.status, events)
+    except Exception as e:  # a reset or a truncated chunk: not a clean end
+        results[key] = ("broken", repr(e))
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_drains_and_every_client_gets_a_clean_end(artifact, signum):
+    import signal
+
+    drain = 3.0
+    s = Server(artifact, "--kv-tokens", "16384", "--max-batch", "8", "--drain-timeout",
+               str(drain))  # room for every request at once: they all run when the signal comes
+    results, started = {}, []
+    long = {"model": TINY, "prompt": "a long stream", "max_tokens": 3000, "temperature": 0,
+            "logit_bias": NO_END}
+    bodies = {f"stream{i}": {**long, "prompt": f"stream {i}", "stream": True} for i in range(3)}
+    bodies["short"] = {**long, "max_tokens": 3, "stream": True}
+    bodies["plain"] = long
+    threads = []
+    for key, body in bodies.items():
+        first = threading.Event()
+        started.append(first)
+        threads.append(threading.Thread(target=_read_sse, args=(s.port, body, results, key,
+                                                                first)))
+        threads[-1].start()
+    try:
+        for first in started[:4]:  # every stream has sent its first chunk
+            assert first.wait(120)
+        s.proc.send_signal(getattr(signal, signum))
+        sent = time.time()
+        rc = s.proc.wait(drain + 30)
+        took = time.time() - sent
+        for t in threads:
+            t.join(30)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    print(f"\n{signum}: exit {rc} after {took:.2f} s (drain timeout {drain} s)")
+    assert rc == 0
+    assert took < drain + 1.0  # the timeout, and some slack for a loaded machine
+    assert results["short"][0] == 200 and results["short"][1][-1] == "[DONE]"
+    assert json.loads(results["short"][1][-2])["choices"][0]["finish_reason"] == "length"
+    for i in range(3):
+        status, events = results[f"stream{i}"]
+        assert status == 200 and events[-1] == "[DONE]", results[f"stream{i}"]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "shutting_down"
+    status, body = results["plain"]
+    assert status == 503 and body["error"]["code"] == "shutting_down"
+    with pytest.raises(OSError):  # the listening socket is closed
+        socket.create_connection(("127.0.0.1", s.port), timeout=5).close()

@@ -7,7 +7,15 @@ Modules: backend (MLXBackend, make_backend), forward (one round's graph and the 
 dispatcher), select (which path and why), repack (the artifact's quantized blocks as MLX affine
 group-32 arrays and as kernel planes, numpy), kvcache (the paged BF16 / q8_0 slab), and one file
 per kernel family with its Metal source, checked wrapper and MLX-op twin side by side: linear
-(decode matvec, prefill matmul) and attention (paged split-K decode attention).
+(decode matvec, prefill matmul) and attention (paged split-K decode attention); metal (who runs
+a kernel's Metal source: MLX, or an injected kernel runner).
+
+Where the kernels have been checked: off Apple hardware the tests run their exact MLX-generated
+source on the Metal emulator (tools/metal_emulator), under ASan, UBSan and TSan, against the
+twins and the numpy reference, and the whole model on them against the reference backend. That
+covers kernel logic, indexing, bounds, barriers and numerics up to the order of operations. What
+only a Mac shows (bench/mac_check.sh): that Apple's Metal compiler accepts the source, speed,
+fast-math and Apple's exact rounding.
 
 This package imports MLX only when its modules are imported, so `mlx_usable` can be asked on
 any machine.

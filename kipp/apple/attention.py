@@ -19,13 +19,17 @@ fast-math compile need not honour.
 The seeds measured split-K as what pays on long contexts (decode 11.0 -> 13.0 tok/s at 1,981
 tokens). Positions resolve through the table per access: block_table[p / 32] * 32 + p % 32.
 Two variants share the body: BF16 KV (uint16 bits, widened exactly) and q8_0 KV (int8 q and
-fp16 d planes, d * q).
+fp16 d planes, d * q). Checked off Apple hardware on the Metal emulator (tests/
+test_metal_kernels.py: empty and partial splits, scrambled tables, GQA groups 2 and 5).
 """
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
+from kipp.apple import metal
 from kipp.apple.linear import on_stream
 from kipp.errors import KippError
 from kipp.kvquant import ROW_BLOCKS
@@ -157,17 +161,23 @@ def input_names(kv_scheme: str) -> tuple[str, ...]:
     return _INPUTS[kv_scheme]
 
 
-_KERNELS: dict[str, object] = {}
+def kernel_spec(kv_scheme: str) -> metal.KernelSpec:
+    """What the decode kernel for `kv_scheme` is built from (kipp.apple.metal), cached on the
+    source texts (as linear.kernel_spec)."""
+    return _spec(kv_scheme, DECODE_SOURCE, HEADER, _LOAD_ROW.get(kv_scheme), _READ.get(kv_scheme))
 
 
-def kernel(kv_scheme: str):
-    """The decode attention kernel object for `kv_scheme`, built once per process."""
-    if kv_scheme not in _KERNELS:
-        header, body = kernel_source(kv_scheme)
-        _KERNELS[kv_scheme] = mx.fast.metal_kernel(
-            name=f"kipp_decode_attention_{kv_scheme}", input_names=list(_INPUTS[kv_scheme]),
-            output_names=["o", "ml"], source=body, header=header)
-    return _KERNELS[kv_scheme]
+@functools.lru_cache(maxsize=None)
+def _spec(kv_scheme: str, *texts) -> metal.KernelSpec:
+    header, body = kernel_source(kv_scheme)
+    return metal.KernelSpec(f"kipp_decode_attention_{kv_scheme}", _INPUTS[kv_scheme],
+                            ("o", "ml"), body, header)
+
+
+def kernel(kv_scheme: str, runner=None):
+    """The decode attention kernel object for `kv_scheme`, built once per process per runner
+    (None: MLX)."""
+    return metal.kernel(kernel_spec(kv_scheme), runner)
 
 
 def check_decode_call(q, planes, tables, lengths, kv_scheme: str) -> tuple[int, int, int]:
@@ -203,17 +213,17 @@ def check_decode_call(q, planes, tables, lengths, kv_scheme: str) -> tuple[int, 
 
 
 def decode_attention(q: mx.array, planes: tuple, tables: mx.array, lengths: mx.array,
-                     kv_scheme: str = "bf16", blocks_per_split: int = BLOCKS_PER_SPLIT
-                     ) -> mx.array:
+                     kv_scheme: str = "bf16", blocks_per_split: int = BLOCKS_PER_SPLIT,
+                     runner=None) -> mx.array:
     """q [S, H, 128] -> [S, H * 128]: each sequence's query over its first `lengths[s]`
     positions through `tables` (module docstring). `planes`: K's then V's kernel planes
     (KVSlab.kernel_planes). Table entries past a sequence's length are never read, but must be
-    valid slab blocks (pad with 0)."""
+    valid slab blocks (pad with 0). `runner`: who runs the Metal source (kipp.apple.metal)."""
     s, h, b = check_decode_call(q, planes, tables, lengths, kv_scheme)
     bps = max(1, min(blocks_per_split, b))
     splits = -(-b // bps)
     g = h // KV_HEADS
-    o, ml = kernel(kv_scheme)(
+    o, ml = kernel(kv_scheme, runner)(
         inputs=[q, *planes, tables, lengths],
         template=[("H", h), ("G", g), ("B", b), ("BPS", bps), ("SPLITS", splits)],
         grid=(32, g, s * KV_HEADS * splits), threadgroup=(32, g, 1),

@@ -46,8 +46,6 @@ MAX_ROUND_TOKENS = 512  # bounds a round's activations and attention scores
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
 
-_STREAMS: dict[int, tuple] = {}  # CPU streams, shared by every backend in the process
-
 
 class MLXBackend(Backend):
     """Qwen3 on MLX (see module docstring). Not thread-safe: one caller at a time."""
@@ -55,16 +53,17 @@ class MLXBackend(Backend):
     name = "mlx"
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
-                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS):
+                 kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS,
+                 kernel_runner=None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         if max_round_tokens < 1:
             raise KippError(f"max_round_tokens must be positive, got {max_round_tokens}")
         self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
-        self.choice = select.choose_path(path)
+        self.choice = _choose(path, kernel_runner)
         gpu = mx.default_device() == mx.gpu
         self.device = "gpu" if gpu else "cpu"
-        self.ops = forward.Ops(self.choice.kernels, _streams(select.cpu_streams(gpu)))
+        self.ops = forward.Ops(self.choice.kernels, select.cpu_streams(gpu), kernel_runner)
         self.max_round_tokens = max_round_tokens
         self.kv_scheme = kv_scheme
         start = time.perf_counter()
@@ -142,6 +141,16 @@ class MLXBackend(Backend):
         return r, dests
 
 
+def _choose(path: str, kernel_runner) -> "select.Choice":
+    """select.choose_path, except that an injected kernel runner (kipp.apple.metal: the Metal
+    emulator, a test's failing kernel) means the kernel path, Metal or not."""
+    if kernel_runner is None:
+        return select.choose_path(path)
+    if path == "twins":
+        raise KippError("a kernel runner was given with path='twins'")
+    return select.Choice(True, f"kernels run by {getattr(kernel_runner, 'label', kernel_runner)}")
+
+
 def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
     """Physical slab rows of positions [start, stop) through the item's block table."""
     positions = np.arange(start, stop)
@@ -175,15 +184,6 @@ def _arrays(w: forward.Weights) -> list[mx.array]:
         for value in params.values():
             out += [value] if isinstance(value, mx.array) else value.arrays()
     return out
-
-
-def _streams(n: int) -> tuple:
-    """n CPU streams (each its own thread), created once per process; (None,) for one."""
-    if n <= 1:
-        return (None,)
-    if n not in _STREAMS:
-        _STREAMS[n] = tuple(mx.new_stream(mx.cpu) for _ in range(n))
-    return _STREAMS[n]
 
 
 def make_backend(artifact: Artifact, num_blocks: int, **options) -> MLXBackend:

@@ -14,6 +14,7 @@ and the slab together.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,11 +31,18 @@ class Ops:
     """How projections and attention run: Metal kernels or MLX-op twins (kipp.apple.select)."""
 
     kernels: bool
-    streams: tuple = (None,)  # twin projections: one shard per stream
+    stream_count: int = 1  # twin projections: one shard per CPU stream
+    runner: object = None  # who runs the kernels' Metal source (kipp.apple.metal; None: MLX)
+
+    @property
+    def streams(self) -> tuple:
+        """This thread's CPU streams: MLX binds a stream to the thread that made it, and a
+        server evaluates on its own threads."""
+        return thread_streams(self.stream_count)
 
     def linear(self, x: mx.array, w: Linear) -> mx.array:
         if self.kernels:
-            return linear.linear_kernel(x, w)
+            return linear.linear_kernel(x, w, self.runner)
         return linear.linear_twin(x, w, self.streams)
 
     def qkv(self, h: mx.array, p: dict) -> tuple[mx.array, mx.array, mx.array]:
@@ -56,12 +64,29 @@ class Ops:
         """q [T, H, 128] of the round -> [T, H * 128]."""
         if self.kernels and r.decode_only:
             planes = k.kernel_planes(layer) + v.kernel_planes(layer)
-            return attention.decode_attention(q, planes, r.tables, r.lengths, k.scheme)
+            return attention.decode_attention(q, planes, r.tables, r.lengths, k.scheme,
+                                              runner=self.runner)
         outs = []
         for row, n, visible in r.pieces:
             keys, values = k.rows(layer, visible), v.rows(layer, visible)
             outs.append(attention.attention_twin(q[row:row + n], keys, values, self.streams))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+_THREAD = threading.local()
+
+
+def thread_streams(n: int) -> tuple:
+    """n CPU streams (each its own worker thread in MLX), made once per calling thread;
+    (None,), the default stream, for one."""
+    if n <= 1:
+        return (None,)
+    made = getattr(_THREAD, "streams", None)
+    if made is None:
+        made = _THREAD.streams = {}
+    if n not in made:
+        made[n] = tuple(mx.new_stream(mx.cpu) for _ in range(n))
+    return made[n]
 
 
 @dataclass

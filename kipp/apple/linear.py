@@ -36,19 +36,22 @@ Kernels (Metal; the artifact's own bytes, kipp.apple.repack's planes; BF16 stays
   Tokens are padded to a multiple of 32 by the wrapper (zero rows), so every output element
   is written: nothing relies on uninitialised memory.
 Dequantization is kipp.quant's arithmetic (d * q exact; affine4 d * q + m, one rounding).
-The kernels are built once per format (module cache) and specialised by template constants
-(M, N, K), which MLX compiles once per value.
+The kernels are built once per format (kipp.apple.metal's cache) and specialised by template
+constants (M, N, K), which MLX compiles once per value. Checked off Apple hardware by running
+their exact source on the Metal emulator (tests/test_metal_kernels.py; what that proves and
+what it cannot: the package docstring).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from kipp.apple import repack
+from kipp.apple import metal, repack
 from kipp.artifact import Tensor
 from kipp.errors import KippError
 from kipp.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
@@ -382,17 +385,23 @@ def input_names(fmt: str) -> tuple[str, ...]:
     return ("x",) + _INPUTS[fmt]
 
 
-_KERNELS: dict[tuple[str, str], object] = {}
+def kernel_spec(kind: str, fmt: str) -> metal.KernelSpec:
+    """What the (kind, fmt) kernel is built from (kipp.apple.metal). Cached on the source
+    texts themselves: a decode step asks for hundreds of kernels, and a test that plants a
+    fault in a text gets a new spec."""
+    return _spec(kind, fmt, MATVEC_SOURCE, MATMUL_SOURCE, _BLOCK_LOAD.get(fmt),
+                 _ELEMENT.get(fmt), HEADER)
 
 
-def kernel(kind: str, fmt: str):
-    """The mx.fast.metal_kernel object for (kind, fmt), built once per process."""
-    key = (kind, fmt)
-    if key not in _KERNELS:
-        _KERNELS[key] = mx.fast.metal_kernel(
-            name=f"kipp_{kind}_{fmt}", input_names=list(input_names(fmt)), output_names=["y"],
-            source=kernel_source(kind, fmt), header=HEADER)
-    return _KERNELS[key]
+@functools.lru_cache(maxsize=None)
+def _spec(kind: str, fmt: str, *texts) -> metal.KernelSpec:
+    source = kernel_source(kind, fmt)
+    return metal.KernelSpec(f"kipp_{kind}_{fmt}", input_names(fmt), ("y",), source, HEADER)
+
+
+def kernel(kind: str, fmt: str, runner=None):
+    """The kernel object for (kind, fmt), built once per process per runner (None: MLX)."""
+    return metal.kernel(kernel_spec(kind, fmt), runner)
 
 
 _PLANE_DTYPES = {"bf16": (mx.uint16,), "q8_0": (mx.int8, mx.uint16),
@@ -426,28 +435,29 @@ def check_call(x: mx.array, w: Linear, max_rows: int | None = None) -> tuple[int
     return m, n, k
 
 
-def matvec(x: mx.array, w: Linear) -> mx.array:
-    """Decode kernel: x float32 [M <= MATVEC_ROWS, K] -> float32 [M, N]."""
+def matvec(x: mx.array, w: Linear, runner=None) -> mx.array:
+    """Decode kernel: x float32 [M <= MATVEC_ROWS, K] -> float32 [M, N]. `runner`: who runs
+    the Metal source (kipp.apple.metal; None: MLX)."""
     m, n, k = check_call(x, w, MATVEC_ROWS)
-    return kernel("matvec", w.fmt)(
+    return kernel("matvec", w.fmt, runner)(
         inputs=[x, *w.planes], template=[("M", m), ("N", n), ("K", k)],
         grid=(32, n, 1), threadgroup=(32, MATVEC_ROWS_PER_GROUP, 1),
         output_shapes=[(m, n)], output_dtypes=[mx.float32])[0]
 
 
-def matmul(x: mx.array, w: Linear) -> mx.array:
+def matmul(x: mx.array, w: Linear, runner=None) -> mx.array:
     """Prefill kernel: x float32 [M, K] -> float32 [M, N] (tokens padded to 32 inside)."""
     m, n, k = check_call(x, w)
     padded = -(-m // TILE) * TILE
     if padded != m:
         x = mx.pad(x, [(0, padded - m), (0, 0)])
-    y = kernel("matmul", w.fmt)(
+    y = kernel("matmul", w.fmt, runner)(
         inputs=[x, *w.planes], template=[("N", n), ("K", k)],
         grid=(128 * (n // TILE), padded // TILE, 1), threadgroup=(128, 1, 1),
         output_shapes=[(padded, n)], output_dtypes=[mx.float32])[0]
     return y[:m] if padded != m else y
 
 
-def linear_kernel(x: mx.array, w: Linear) -> mx.array:
+def linear_kernel(x: mx.array, w: Linear, runner=None) -> mx.array:
     """The kernel path's dispatcher: matvec for decode-sized rounds, matmul otherwise."""
-    return matvec(x, w) if x.shape[0] <= MATVEC_ROWS else matmul(x, w)
+    return matvec(x, w, runner) if x.shape[0] <= MATVEC_ROWS else matmul(x, w, runner)

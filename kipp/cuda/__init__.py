@@ -9,10 +9,32 @@ arrays), layout (weights prepared per device), select (kernels or twins, and why
 jax.numpy twin beside it: quant_matmul, decode_attention, prefill_attention.
 
 This package imports JAX only when its modules are imported, so `jax_sees_gpu` can be asked
-on machines without JAX.
+on machines without JAX. On a machine with no NVIDIA driver it sets JAX_PLATFORMS=cpu (unless
+already set) before JAX is imported: an installed CUDA plugin would otherwise print a
+traceback ("Unable to load CUDA") on every start before JAX falls back to the CPU. The
+deviceless H200 compile (kipp.cuda.aot) works under that setting.
 """
 
+import ctypes.util
+import os
+import sys
+
 from kipp.errors import KippError
+
+
+def nvidia_driver_present() -> bool:
+    """True when an NVIDIA kernel driver or its user-space library (libcuda) is visible."""
+    return os.path.exists("/proc/driver/nvidia/version") or bool(ctypes.util.find_library("cuda"))
+
+
+def _quiet_cuda_plugin_without_driver() -> None:
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or sys.platform != "linux":
+        return  # the user's choice, or too late to matter, or no CUDA plugin to begin with
+    if not nvidia_driver_present():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_quiet_cuda_plugin_without_driver()
 
 
 def jax_sees_gpu() -> bool:

@@ -11,7 +11,8 @@ blocks (split-K, "flash decoding"), one program per (sequence, KV head, range). 
 runs an online softmax over its blocks and writes an unnormalised partial output with its
 running max and denominator; the wrapper merges the partials exactly as the online softmax
 would. The query heads sharing a KV head form the rows of one tile (padded to 16 for Triton's
-dot), so each KV block is read once per group.
+dot), so each KV block is read once per group. The dots are prefill_attention's
+`attend_block`: BF16 operands on the tensor cores, float32 accumulation and softmax.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kipp.cuda.prefill_attention import (HIGHEST, MASKED, SCALE, kv_refs, kv_tile,
+from kipp.cuda.prefill_attention import (MASKED, attend_block, kv_refs, kv_tile,
                                          paged_attention_reference)
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 
 def _decode_kernel(tables_ref,  # [S, B] int32 block tables
                    lengths_ref,  # [S] int32 visible positions per sequence
-                   q_ref,  # [1, 1, rows, 128] float32: the group's query heads (padded)
+                   q_ref,  # [1, 1, rows, 128] bfloat16: the group's query heads (padded)
                    *refs,  # kv_refs (one layer's K and V slab), then o_ref, m_ref, l_ref:
                    # o [1, 1, 1, rows, 128] f32: unnormalised partial output; m [1, 1, 1, rows]
                    # f32: running max of the scores; l [1, 1, 1, rows] f32: softmax denominator
@@ -45,15 +46,8 @@ def _decode_kernel(tables_ref,  # [S, B] int32 block tables
     offsets = jax.lax.broadcasted_iota(jnp.int32, (1, KV_BLOCK), 1)  # [1, 32]
 
     def block(j, carry):
-        acc, m, l = carry
         k, v = kv_tile(kv, tables_ref[s, j], h)  # [32, 128] each
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * SCALE
-        scores = jnp.where(j * KV_BLOCK + offsets < length, scores, MASKED)  # [rows, 32]
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-        p = jnp.exp(scores - m_new)
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha + jnp.dot(p, v, precision=HIGHEST)
-        return acc, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
+        return attend_block(q, k, v, j * KV_BLOCK + offsets < length, carry)
 
     init = (jnp.zeros((rows, HEAD_DIM), jnp.float32), jnp.full((rows, 1), MASKED, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))
@@ -78,6 +72,7 @@ def decode_attention(q: jax.Array, k_cache, v_cache, lengths: jax.Array,
     bps = min(blocks_per_split, block_tables.shape[1])
     splits = pl.cdiv(block_tables.shape[1], bps)
     qg = jnp.pad(q.reshape(s, KV_HEADS, g, d), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    qg = qg.astype(jnp.bfloat16)  # the tensor cores' operand type
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, c: (0,) * a.ndim)  # noqa: E731
     part = (s, KV_HEADS, splits, rows)
     slab = kv_refs(k_cache, v_cache)

@@ -14,7 +14,12 @@ block's K and V tile through the block table. The group of query heads sharing t
 folded into the query tile (rows = queries x group), so each KV tile is read once per group.
 A q8_0 KV slab (kipp.kvquant) arrives as its int8 and fp16 planes; `kv_tile` dequantizes each
 [32, 128] tile (d * q in float32, exact) right after loading it, so the online softmax is the
-BF16 path's.
+BF16 path's. Both dots (`attend_block`) take BF16 operands on the H200's tensor cores with
+float32 accumulation, as flash attention does: q rounded to BF16 once, K and V as stored (a
+q8_0 tile rounded to BF16 after its exact dequantization), the probabilities rounded to BF16
+for the dot with V; the softmax itself stays float32. About ROWS query rows per program keep
+the float32 accumulator in registers without spills at every registry head count (compiled
+for sm_90a by tests/test_cuda_compile.py).
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kipp.cuda.layout import QuantizedKV, dequantize_kv, kv_rows, widen_bf16
+from kipp.cuda.layout import QuantizedKV, dequantize_kv, kv_rows
 from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 SCALE = HEAD_DIM ** -0.5
 MASKED = -1e30  # a finite "minus infinity": fully masked padding rows stay finite
+ROWS = 64  # query rows (queries x group heads) per prefill program
 
 
 def kv_refs(k_cache, v_cache) -> tuple:
@@ -41,19 +47,42 @@ def kv_refs(k_cache, v_cache) -> tuple:
 
 
 def kv_tile(refs, bid, h) -> tuple[jax.Array, jax.Array]:
-    """K and V tiles [32, 128] float32 of block `bid`, KV head `h`, from `kv_refs`' refs:
-    (k, v) [blocks, 32, 8, 128] bf16, or (k_q, k_d, v_q, v_d) with q int8 [blocks, 32, 8, 128]
-    and d fp16 [blocks, 32, 8, 4]."""
+    """K and V tiles [32, 128] BF16 of block `bid`, KV head `h`, from `kv_refs`' refs, as the
+    tensor-core dots take them: (k, v) [blocks, 32, 8, 128] bf16 (or its uint16 bits in
+    interpret mode on a CPU), or (k_q, k_d, v_q, v_d) with q int8 [blocks, 32, 8, 128] and d
+    fp16 [blocks, 32, 8, 4], dequantized exactly in float32, then rounded to BF16."""
     if len(refs) == 2:
-        return widen_bf16(refs[0][bid, :, h, :]), widen_bf16(refs[1][bid, :, h, :])
+        return _as_bf16(refs[0][bid, :, h, :]), _as_bf16(refs[1][bid, :, h, :])
     k_q, k_d, v_q, v_d = refs
-    return (dequantize_kv(k_q[bid, :, h, :], k_d[bid, :, h, :]),
-            dequantize_kv(v_q[bid, :, h, :], v_d[bid, :, h, :]))
+    return (dequantize_kv(k_q[bid, :, h, :], k_d[bid, :, h, :]).astype(jnp.bfloat16),
+            dequantize_kv(v_q[bid, :, h, :], v_d[bid, :, h, :]).astype(jnp.bfloat16))
+
+
+def _as_bf16(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x
+
+
+def attend_block(q, k, v, visible, carry):
+    """One online-softmax step over a 32-position KV block: q [rows, 128] BF16, k and v
+    [32, 128] BF16, visible [rows, 32] bool; carry (acc [rows, 128], max [rows, 1], denominator
+    [rows, 1]) float32. Both dots are BF16 tensor-core dots accumulating in float32; the
+    probabilities are rounded to BF16 for the second, as flash attention does."""
+    acc, m, l = carry
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * SCALE
+    scores = jnp.where(visible, scores, MASKED)  # [rows, 32]
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+    p = jnp.exp(scores - m_new)
+    alpha = jnp.exp(m - m_new)
+    acc = acc * alpha + jnp.dot(p.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
 
 
 def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
                     pos_ref,  # [1, bq] int32: positions of this tile's queries (-1: padding)
-                    q_ref,  # [1, bq, 1, g, 128] float32
+                    q_ref,  # [1, bq, 1, g, 128] bfloat16
                     *refs,  # kv_refs (one layer's K and V slab), then o_ref [1, bq, 1, g, 128]
                     ):
     *kv, o_ref = refs
@@ -66,15 +95,8 @@ def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
     offsets = jax.lax.broadcasted_iota(jnp.int32, (1, KV_BLOCK), 1)  # [1, 32]
 
     def block(j, carry):
-        acc, m, l = carry
         k, v = kv_tile(kv, tables_ref[s, j], h)  # [32, 128] each
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * SCALE
-        scores = jnp.where(j * KV_BLOCK + offsets <= pos, scores, MASKED)  # [rows, 32]
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-        p = jnp.exp(scores - m_new)
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha + jnp.dot(p, v, precision=HIGHEST)
-        return acc, m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True)
+        return attend_block(q, k, v, j * KV_BLOCK + offsets <= pos, carry)
 
     init = (jnp.zeros((rows, HEAD_DIM), jnp.float32), jnp.full((rows, 1), MASKED, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))
@@ -87,7 +109,7 @@ def _prefill_kernel(tables_ref,  # [S, B] int32 block tables
 @functools.partial(jax.jit, static_argnames=("interpret", "block_q"))
 def prefill_attention(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
                       block_tables: jax.Array, *, interpret: bool = False,
-                      block_q: int = 16) -> jax.Array:
+                      block_q: int | None = None) -> jax.Array:
     """q [S, Tq, H, 128] f32 -> [S, Tq, H, 128] f32 over the paged slab (module docstring);
     the caches are BF16 arrays or QuantizedKV planes."""
     from jax.experimental.pallas import triton as pltriton
@@ -95,11 +117,13 @@ def prefill_attention(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
     s, tq, h, d = q.shape
     g = h // KV_HEADS
     gp = pl.next_power_of_2(g)  # Triton tiles are powers of two: pad the group
-    # Triton's dot needs >= 16 rows (queries x group) per tile.
-    bq = max(min(block_q, pl.next_power_of_2(tq)), 16 // min(gp, 16))
+    # rows = queries x group: about ROWS per tile (the float32 accumulator [rows, 128] is 64
+    # registers per thread at 4 warps), and >= 16, the minimum of Triton's dot
+    bq = max(min(block_q or max(1, ROWS // gp), pl.next_power_of_2(tq)), 16 // min(gp, 16))
     tq_pad = pl.cdiv(tq, bq) * bq
     qg = q.reshape(s, tq, KV_HEADS, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, tq_pad - tq), (0, 0), (0, gp - g), (0, 0)))
+    qg = qg.astype(jnp.bfloat16)  # the tensor cores' operand type (kernel docstring)
     pos = jnp.pad(query_pos, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
     tile = pl.BlockSpec((1, bq, 1, gp, d), lambda i, j, t: (i, t, j, 0, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, t: (0,) * a.ndim)  # noqa: E731

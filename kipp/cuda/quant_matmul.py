@@ -11,17 +11,24 @@ release (pallas_call itself is deprecated for it), and none of that can be valid
 GPU; interpret mode checks the same kernel semantics on a CPU for either lowering. When Triton
 is removed, these kernel bodies port to Mosaic GPU's `plgpu.kernel`; until then, if a kernel
 fails to compile, JaxBackend logs a warning and runs the jax.numpy twins (kipp.cuda.backend).
-The tests lower every kernel for CUDA on a CPU (jax.export), which runs Pallas' Triton
-lowering end to end; only Triton's own compile to PTX, and running it, need the GPU.
+The tests compile every kernel for an H200 (sm_90a) on a CPU (kipp.cuda.aot, at every registry
+shape: tests/test_cuda_compile.py, `python -m bench kernels`); only running them needs a GPU.
 
-Dequantization matches kipp.quant bit for bit (d and m are the file's fp16 values, widened
-exactly; q8_0 and scale4 are one exact float32 multiply, affine4 an exact multiply and one
-rounded add). Dots run in IEEE float32 (precision HIGHEST: Triton's default would be TF32).
-One kernel body, two inner products: a tile dot for M > 4 rows, and a multiply-reduce for the
-few rows of a decode round, where Triton's dot (16-row minimum) would pad. The grid is (row
-tiles, column tiles, K splits): when the first two give few programs (a decode matvec), K is
-split so the GPU has enough programs in flight to stream the weights at full bandwidth, and
-the partial sums are added by XLA.
+Two inner products. More than MATVEC_ROWS rows (prefill, batched decode): BF16 tensor-core dots
+with float32 accumulation, x rounded to BF16 once, the weights exact: BF16 as stored, and for
+the quantized formats the stored integers (int8, nibbles, nibbles - 8: exact in BF16) per
+32-weight group, the group's fp16 scale multiplying the dot's float32 result (affine4 adds
+m * sum(x) over the group), i.e. kipp.quant's dequantized values without rounding them. Up to
+MATVEC_ROWS rows (decode): float32 multiply-reduce on the CUDA cores over weights widened exactly
+(q8_0 and scale4 one exact multiply, affine4 an exact multiply and one rounded add, as
+kipp.quant), where a dot would pad to Triton's 16-row minimum and the weight stream is the bound.
+The f32 format (the CPU layout's; never on a GPU) keeps IEEE float32 dots (precision HIGHEST).
+The grid is (row tiles, column tiles, K splits): when the first two give few programs (a decode
+matvec), K is split so the GPU has enough programs in flight to stream the weights at full
+bandwidth, and the partial sums are added by XLA. Tiles keep every registry shape free of
+register spills on the H200 (64 x 64 tiles with 64-wide K steps for dots of 64 rows, 16 x 64
+with 128-wide steps for fewer rows; a [rows, 32, 128 / rows] float32 product tile for matvecs,
+summed over K once at the end).
 """
 
 from __future__ import annotations
@@ -73,30 +80,85 @@ def _x_piece(x_ref, g0, groups: int, half):
     return tile.reshape(tile.shape[0], groups * 16)
 
 
-def _matmul_kernel(x_ref,  # [bm, K/32, 32] float32
+def _matvec_kernel(x_ref,  # [bm, K/32, 32] float32
                    w_ref,  # [bn, K] (f32/bf16) or [bn, K/32, 32|16] (packed)
                    *refs,  # d_ref [bn, K/32] fp16 (packed), m_ref [bn, K/32] (affine4), then
                            # o_ref [1, bm, bn] float32: this K split's partial sum
-                   fmt: str, block_k: int, matvec: bool, splits: int):
+                   fmt: str, block_k: int, splits: int):
+    """A few rows (decode): float32 multiply-reduce on the CUDA cores, weights widened exactly;
+    bandwidth-bound, so the 16-row minimum of a tensor-core dot would only waste registers."""
     *scales, o_ref = refs
     d_ref, m_ref = (scales + [None, None])[:2]
     groups = block_k // BLOCK
     steps = x_ref.shape[1] // groups // splits
     first = pl.program_id(2) * steps
 
-    def step(kb, acc):
+    def step(kb, acc):  # acc [bm, bn, width]: products summed over K steps, reduced once
         g0 = kb * groups
         for w, half in _widen_tile(w_ref, d_ref, m_ref, g0, groups, fmt):
-            x = _x_piece(x_ref, g0, groups, half)
-            if matvec:  # [bm, 1, bk] * [1, bn, bk] summed over k
-                acc += jnp.sum(x[:, None, :] * w[None, :, :], axis=2)
-            else:
-                acc += jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                                           preferred_element_type=jnp.float32)
+            x = _x_piece(x_ref, g0, groups, half)  # [bm, 1, width] * [1, bn, width]
+            acc += x[:, None, :] * w[None, :, :]
+        return acc
+
+    width = block_k if fmt in ("f32", "bf16", "q8_0") else block_k // 2
+    acc = jnp.zeros(o_ref.shape[1:] + (width,), jnp.float32)
+    # summing over k inside the loop would cost a warp-shuffle reduction per step
+    o_ref[0, :, :] = jnp.sum(jax.lax.fori_loop(first, first + steps, step, acc), axis=2)
+
+
+def _dot_kernel(x_ref,  # [bm, K] bfloat16 (float32 for fmt "f32")
+                w_ref,  # [bn, K] (f32/bf16) or [bn, K/32, 32|16] (packed)
+                *refs,  # d_ref, m_ref as in _matvec_kernel, then o_ref [1, bm, bn] float32
+                fmt: str, block_k: int, splits: int):
+    """Tiles of rows (prefill, batched decode): BF16 tensor-core dots, float32 accumulation."""
+    *scales, o_ref = refs
+    d_ref, m_ref = (scales + [None, None])[:2]
+    steps = x_ref.shape[1] // block_k // splits
+    first = pl.program_id(2) * steps
+
+    def step(kb, acc):
+        if fmt in ("f32", "bf16"):
+            x = x_ref[:, pl.ds(kb * block_k, block_k)]  # [bm, bk]
+            w = w_ref[:, pl.ds(kb * block_k, block_k)]  # [bn, bk]
+            return acc + jax.lax.dot_general(
+                x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                precision=HIGHEST if fmt == "f32" else None)
+        for i in range(block_k // BLOCK):
+            acc += _group_dot(x_ref, w_ref, d_ref, m_ref, kb * (block_k // BLOCK) + i, fmt)
         return acc
 
     acc = jnp.zeros(o_ref.shape[1:], jnp.float32)
     o_ref[0, :, :] = jax.lax.fori_loop(first, first + steps, step, acc)
+
+
+def _group_dot(x_ref, w_ref, d_ref, m_ref, g, fmt: str) -> jax.Array:
+    """x's 32 columns of group g times the group's weights, [bm, bn] float32.
+
+    The stored integers (int8, or nibbles minus 8 for scale4) are exact in BF16, so the dot
+    runs on them and the fp16 scale multiplies its float32 result: d * (x . q), and for affine4
+    + m * sum(x), the dequantizer's values without rounding the weights."""
+    d = d_ref[:, g].astype(jnp.float32)[None, :]  # [1, bn]
+    if fmt == "q8_0":
+        q = w_ref[:, g, :].astype(jnp.bfloat16)  # [bn, 32]
+        return _dot_t(x_ref[:, pl.ds(g * BLOCK, BLOCK)], q) * d
+    nibbles = w_ref[:, g, :]  # [bn, 16] uint8: element j low, j + 16 high
+    part = None
+    for half, q in ((0, nibbles & 15), (1, nibbles >> 4)):
+        q = q.astype(jnp.float32) - (8.0 if fmt == "scale4_gs32" else 0.0)
+        x = x_ref[:, pl.ds(g * BLOCK + half * 16, 16)]  # [bm, 16]
+        dot = _dot_t(x, q.astype(jnp.bfloat16))
+        part = dot if part is None else part + dot
+    part = part * d
+    if fmt == "affine4_gs32":
+        x = x_ref[:, pl.ds(g * BLOCK, BLOCK)].astype(jnp.float32)  # [bm, 32]
+        part += jnp.sum(x, axis=1)[:, None] * m_ref[:, g].astype(jnp.float32)[None, :]
+    return part
+
+
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [bm, k] @ w [bn, k]^T -> [bm, bn] float32 (BF16 operands: tensor cores)."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def _block_k(k: int, cap: int) -> int:
@@ -126,27 +188,32 @@ def quant_matmul(x: jax.Array, w: Linear, *, interpret: bool = False,
     matvec = m_rows <= MATVEC_ROWS
     bm = pl.next_power_of_2(m_rows) if matvec else (16 if m_rows < 64 else 64)
     bn = _block_n(n, block_n or (32 if matvec else 64))
-    bk = _block_k(k, block_k or (128 if matvec else 64))
+    # matvec: the [bm, bn, bk] product tile stays at 4,096 float32 (32 registers per thread);
+    # 16-row dots: 128-wide K steps (at 64, affine4 spilled 4 bytes at 72 registers on ptxas 12.9)
+    bk = _block_k(k, block_k or (128 // bm if matvec else 128 if bm == 16 else 64))
     padded = pl.cdiv(m_rows, bm) * bm
     splits = _splits(k // bk, (padded // bm) * (n // bn))
-    x3 = jnp.pad(x, ((0, padded - m_rows), (0, 0))).reshape(padded, k // BLOCK, BLOCK)
+    x = jnp.pad(x, ((0, padded - m_rows), (0, 0)))
+    if matvec:
+        kernel, x, x_spec = _matvec_kernel, x.reshape(padded, k // BLOCK, BLOCK), \
+            pl.BlockSpec((bm, k // BLOCK, BLOCK), lambda i, j, c: (i, 0, 0))
+    else:  # BF16 activations for the tensor cores (the f32 format keeps IEEE float32)
+        kernel, x_spec = _dot_kernel, pl.BlockSpec((bm, k), lambda i, j, c: (i, 0))
+        x = x if w.fmt == "f32" else x.astype(jnp.bfloat16)
     scales = [a for a in (w.d, w.m) if a is not None]
     w_spec = (pl.BlockSpec((bn, k), lambda i, j, c: (j, 0)) if w.w.ndim == 2 else
               pl.BlockSpec((bn,) + w.w.shape[1:], lambda i, j, c: (j, 0, 0)))
     scale_spec = pl.BlockSpec((bn, k // BLOCK), lambda i, j, c: (j, 0))
-    kernel = functools.partial(_matmul_kernel, fmt=w.fmt, block_k=bk, matvec=matvec,
-                               splits=splits)
     out = pl.pallas_call(
-        kernel,
+        functools.partial(kernel, fmt=w.fmt, block_k=bk, splits=splits),
         out_shape=jax.ShapeDtypeStruct((splits, padded, n), jnp.float32),
         grid=(padded // bm, n // bn, splits),
-        in_specs=[pl.BlockSpec((bm, k // BLOCK, BLOCK), lambda i, j, c: (i, 0, 0)),
-                  w_spec] + [scale_spec] * len(scales),
+        in_specs=[x_spec, w_spec] + [scale_spec] * len(scales),
         out_specs=pl.BlockSpec((1, bm, bn), lambda i, j, c: (c, i, j)),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name=f"kipp_matmul_{w.fmt}",
-    )(x3, w.w, *scales)
+    )(x, w.w, *scales)
     return (out[0] if splits == 1 else jnp.sum(out, axis=0))[:m_rows]
 
 

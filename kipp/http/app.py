@@ -1,10 +1,14 @@
 """The Flask app: thin handlers over the scheduler, OpenAI's response and chunk shapes.
 
-A handler parses the body into a Call (kipp.http.schema), submits its Request to the scheduler
-and turns the ticket's events into a JSON response or a server-sent event stream. Handlers never
-touch the model: the tokenizer (pure) is the one model attribute they read, for prompts and for
-the text of logprob tokens. A streaming client that goes away cancels its own request: the WSGI
-server closes the response iterator, whose `finally` cancels the ticket.
+A handler parses the body into a Call (kipp.http.schema), submits its Requests to the scheduler
+(one per prompt, as a TicketGroup) and turns the events into a JSON response or a server-sent
+event stream. Handlers never touch the model: the tokenizer (pure) is the one model attribute
+they read, for prompts and for the text of logprob tokens. A client that goes away cancels its
+own request, streamed or not: a waiting handler polls waitress's `client_disconnected` (the
+server runs with a request lookahead so that it sees the connection close), and for a stream the
+WSGI server also closes the response iterator, whose `finally` cancels the tickets. When a chat request
+offers tools, each choice's text goes through kipp.chat.ToolCallStream: content deltas as they
+come, a `delta.tool_calls` chunk per call once its <tool_call> block closes.
 """
 
 from __future__ import annotations
@@ -12,21 +16,26 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import time
 import uuid
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from kipp.chat import ToolCallStream, parse_tool_calls
 from kipp.http.metrics import Metrics
 from kipp.http.schema import APIError, Call, parse_chat, parse_completion
-from kipp.scheduler import Delta, Done, Failed, Finished, QueueFull, SchedulerError, Ticket
+from kipp.scheduler import (SHUTDOWN_MESSAGE, Delta, Done, Failed, Finished, QueueFull,
+                            SchedulerError, ShuttingDown, Ticket)
 
 log = logging.getLogger("kipp.http")
 
 MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 128  # nesting of arrays and objects in a body; deeper is a 400
 DEFAULT_CHAT_MAX_TOKENS = 1024
-EVENT_POLL_SECONDS = 1.0  # how often a waiting handler checks that the engine is alive
+# How often a waiting handler checks that the engine is alive and the client still there.
+EVENT_POLL_SECONDS = 0.25
 
 
 def create_app(model, scheduler, *, model_name: str | None = None,
@@ -39,6 +48,7 @@ def create_app(model, scheduler, *, model_name: str | None = None,
     created = int(time.time())
     tokenizer = model.tokenizer
     token_text = _TokenText(tokenizer)
+    template = _chat_template(model)
 
     @app.errorhandler(APIError)
     def api_error(e: APIError):
@@ -60,7 +70,8 @@ def create_app(model, scheduler, *, model_name: str | None = None,
 
     @app.after_request
     def count(response):
-        metrics.responses.labels(request.path if request.url_rule else "other",
+        # The route's pattern, not the path: /v1/models/<anything> is one label value.
+        metrics.responses.labels(request.url_rule.rule if request.url_rule else "other",
                                  str(response.status_code)).inc()
         return response
 
@@ -68,6 +79,9 @@ def create_app(model, scheduler, *, model_name: str | None = None,
     def health():
         if not scheduler.alive:
             return _error_response(APIError(503, "the engine thread is not running",
+                                            type="server_error"))
+        if scheduler.draining:
+            return _error_response(APIError(503, SHUTDOWN_MESSAGE, code="shutting_down",
                                             type="server_error"))
         return {"status": "ok", "model": served}
 
@@ -94,39 +108,82 @@ def create_app(model, scheduler, *, model_name: str | None = None,
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        call = parse_chat(_json_body(), served, tokenizer, model.entry.has_chat_template,
-                          model.entry.context_length, chat_max_tokens)
+        body = _json_body()
+        if isinstance(template, APIError):
+            raise template
+
+        def default_max_tokens(prompt_tokens: int, n: int) -> int:
+            return scheduler.default_max_tokens(prompt_tokens, n, chat_max_tokens)
+
+        call = parse_chat(body, served, tokenizer, model.entry.has_chat_template,
+                          model.entry.context_length, default_max_tokens, template=template)
         return _answer(call)
 
     def _answer(call: Call):
-        try:
-            ticket = scheduler.submit(call.request)
-        except QueueFull as e:
-            raise APIError(503, str(e), code="queue_full", type="server_overloaded",
-                           headers={"Retry-After": "1"}) from None
-        except SchedulerError as e:
-            raise APIError(400, str(e), e.param, e.code) from None
+        ticket = _submit(scheduler, call)
         shape = _Shape(call, served, token_text)
+        gone = request.environ.get("waitress.client_disconnected")
         if call.stream:
-            return Response(_sse(ticket, shape, metrics, scheduler), content_type="text/event-stream",
+            return Response(_sse(ticket, shape, metrics, scheduler, gone),
+                            content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            events = list(_events(ticket, scheduler))
+            events = list(_events(ticket, scheduler, gone))
         finally:
             if not ticket.ended:
                 ticket.cancel()
         last = events[-1]
         if isinstance(last, Failed):
-            raise APIError(500, f"the request failed: {last.message}", type="server_error")
+            raise _failure(last)
         metrics.observe(ticket)
         return shape.response(events)
 
     return app
 
 
-def _events(ticket: Ticket, scheduler):
-    """The ticket's events; a dead engine thread ends the stream with Failed."""
+def _chat_template(model):
+    """The model's chat template name, an APIError to answer chat requests with when Kipp
+    cannot render its template, or "qwen3" for base checkpoints (parse_chat refuses them)."""
+    from kipp.chat import ChatError
+
+    if not model.entry.has_chat_template:
+        return "qwen3"
+    try:
+        return model.chat_template
+    except ChatError as e:
+        return APIError(400, str(e), "model", "unsupported_chat_template")
+
+
+def _submit(scheduler, call: Call):
+    """Queue the call's requests as one TicketGroup, or raise the APIError that says why not."""
+    try:
+        return scheduler.submit_many(call.requests)
+    except QueueFull as e:
+        raise APIError(503, str(e), code="queue_full", type="server_overloaded",
+                       headers={"Retry-After": "1"}) from None
+    except ShuttingDown as e:
+        raise APIError(503, str(e), code="shutting_down", type="server_error",
+                       headers={"Connection": "close"}) from None
+    except SchedulerError as e:
+        raise _scheduler_error(call, e) from None
+
+
+def _scheduler_error(call: Call, e: SchedulerError) -> APIError:
+    """A 400 naming the body's own field: the scheduler says "prompt" and "max_tokens"."""
+    names = {"prompt": call.prompt_param, "max_tokens": call.max_tokens_param}
+    message = str(e)
+    if call.max_tokens_param != "max_tokens":
+        message = re.sub(r"\bmax_tokens\b", call.max_tokens_param, message)
+    return APIError(400, message, names.get(e.param, e.param), e.code)
+
+
+def _events(ticket: Ticket, scheduler, gone=None):
+    """The ticket's events; a dead engine thread ends the stream with Failed. `gone`
+    (waitress's client_disconnected) is checked before every wait: a client that left
+    cancels its request within a step or an EVENT_POLL_SECONDS."""
     while True:
+        if gone is not None and not ticket.cancelled and gone():
+            ticket.cancel()  # the Failed(cancelled) it brings ends this loop
         try:
             event = ticket.get(timeout=EVENT_POLL_SECONDS)
         except queue.Empty:
@@ -140,15 +197,14 @@ def _events(ticket: Ticket, scheduler):
             return
 
 
-def _sse(ticket: Ticket, shape: "_Shape", metrics: Metrics, scheduler):
+def _sse(ticket: Ticket, shape: "_Shape", metrics: Metrics, scheduler, gone=None):
     """Server-sent events; closing this generator early (client gone) cancels the request."""
     try:
         for chunk in shape.first_chunks():
             yield _data(chunk)
-        for event in _events(ticket, scheduler):
+        for event in _events(ticket, scheduler, gone):
             if isinstance(event, Failed):
-                yield _data(APIError(500, f"the request failed: {event.message}",
-                                     type="server_error").body())
+                yield _data(_failure(event).body())
                 break
             if isinstance(event, Done):
                 metrics.observe(ticket)
@@ -160,6 +216,17 @@ def _sse(ticket: Ticket, shape: "_Shape", metrics: Metrics, scheduler):
             ticket.cancel()
 
 
+def _failure(event: Failed) -> APIError:
+    """A request that ended without finishing: 503 when the server is shutting down, 499 (as
+    nginx logs it) when its client went away."""
+    if event.cancelled:
+        return APIError(499, "the client closed the request", code="client_closed_request")
+    if event.message == SHUTDOWN_MESSAGE:
+        return APIError(503, f"the request was ended: {event.message}", code="shutting_down",
+                        type="server_error")
+    return APIError(500, f"the request failed: {event.message}", type="server_error")
+
+
 def _data(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -169,10 +236,35 @@ def _json_body():
     if not raw:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}",
                        code="invalid_json") from None
+    except RecursionError:  # the parser recursed past Python's limit: nested far too deep
+        raise _too_deep() from None
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return body
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body nests arrays and objects more than "
+                         f"{MAX_JSON_DEPTH} deep", code="invalid_json")
+
+
+def _depth_exceeds(value, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _error_response(e: APIError) -> Response:
@@ -213,7 +305,12 @@ class _Shape:
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
-        self.text_offsets = [0] * call.request.n
+        self.n = len(call.requests) * call.request.n  # choice i*n + j: prompt i's choice j
+        self.text_offsets = [0] * self.n
+        # chat with tools: each choice's text split into content and tool calls as it streams
+        self.tool_streams = [ToolCallStream() for _ in range(self.n)] if call.tools else None
+        self.tool_calls = [0] * self.n  # calls streamed so far, per choice
+        self.held_logprobs = [[] for _ in range(self.n)]
 
     # -- logprobs in each endpoint's native shape
 
@@ -232,8 +329,10 @@ class _Shape:
             tokens.append(text)
             offsets.append(self.text_offsets[choice])
             self.text_offsets[choice] += len(text)
+        # An echoed prompt's first token has no logprob and no alternatives: null, as OpenAI.
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.tt.text(t): v for t, v in lp.top} for lp in lps],
+                "top_logprobs": [None if lp.top is None else
+                                 {self.tt.text(t): v for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
     def _logprobs(self, choice: int, lps):
@@ -251,7 +350,7 @@ class _Shape:
                 "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     def response(self, events) -> dict:
-        n = self.call.request.n
+        n = self.n
         texts, lps, reasons = [""] * n, [[] for _ in range(n)], [None] * n
         done = None
         for event in events:
@@ -268,12 +367,23 @@ class _Shape:
                       "finish_reason": reasons[i]}
             if self.call.endpoint == "chat":
                 choice["message"] = {"role": "assistant", "content": texts[i]}
+                if self.call.tools:
+                    self._with_tool_calls(choice, texts[i])
             else:
                 choice["text"] = texts[i]
             choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.served, "choices": choices, "usage": self._usage(done),
                 "timings": done.timings}
+
+    @staticmethod
+    def _with_tool_calls(choice: dict, text: str) -> None:
+        content, calls = parse_tool_calls(text)
+        choice["message"]["content"] = content
+        if calls:
+            choice["message"]["tool_calls"] = [call.openai() for call in calls]
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
 
     # -- stream chunks
 
@@ -290,10 +400,12 @@ class _Shape:
             return []
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-                for i in range(self.call.request.n)]
+                for i in range(self.n)]
 
     def chunks(self, event):
         chat = self.call.endpoint == "chat"
+        if self.tool_streams is not None and isinstance(event, (Delta, Finished)):
+            return self._tool_chunks(event)
         if isinstance(event, Delta):
             body = {"delta": {"content": event.text}} if chat else {"text": event.text}
             return [self._chunk([{"index": event.choice, **body,
@@ -306,3 +418,32 @@ class _Shape:
         if isinstance(event, Done) and self.call.include_usage:
             return [self._chunk([], usage=self._usage(event), timings=event.timings)]
         return []
+
+    def _tool_chunks(self, event) -> list:
+        """Chat chunks when tools were offered: content deltas, and a `delta.tool_calls`
+        chunk (index, id, name and whole arguments) per call once its block has closed."""
+        i = event.choice
+        stream = self.tool_streams[i]
+        if isinstance(event, Delta):
+            self.held_logprobs[i].extend(event.logprobs)
+            pieces = stream.feed(event.text)
+        else:
+            pieces = stream.flush()
+        chunks = []
+        for kind, value in pieces:
+            if kind == "content":
+                delta = {"content": value}
+            else:
+                delta = {"tool_calls": [value.openai(self.tool_calls[i])]}
+                self.tool_calls[i] += 1
+            logprobs = self._logprobs(i, self.held_logprobs[i])
+            self.held_logprobs[i] = []
+            chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": None}]))
+        if isinstance(event, Finished):
+            reason = event.reason
+            if self.tool_calls[i] and reason == "stop":
+                reason = "tool_calls"
+            chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
+                                        "finish_reason": reason}]))
+        return chunks

@@ -73,10 +73,12 @@ class Metrics:
                                  ["path", "status"], registry=self.registry)
 
     def observe(self, ticket) -> None:
-        if ticket.ended_at is not None:
-            self.latency.observe(ticket.ended_at - ticket.submitted_at)
-        if ticket.first_token_at is not None:
-            self.ttft.observe(ticket.first_token_at - ticket.submitted_at)
+        """Record a finished Ticket, or every ticket of a TicketGroup."""
+        for t in getattr(ticket, "tickets", [ticket]):
+            if t.ended_at is not None:
+                self.latency.observe(t.ended_at - t.submitted_at)
+            if t.first_token_at is not None:
+                self.ttft.observe(t.first_token_at - t.submitted_at)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,22 +1,34 @@
 """OpenAI request bodies -> validated Kipp calls, or an APIError naming the offending field.
 
 Every field a body may carry is listed here, per endpoint. A field that is not listed, or that
-asks for something Kipp does not do (echo, suffix, tools, response formats, best_of != n), is a
-400 naming it: never a silent ignore. Ranges follow OpenAI's (temperature 0..2, penalties
--2..2, logit_bias -100..100, n <= 8, legacy logprobs 0..5, top_logprobs 0..20, at most 4 stop
-strings); top_k, min_p and repetition_penalty are Kipp's (llama.cpp-style) extensions.
+asks for something Kipp does not do (suffix, best_of != n), is a 400 naming it: never a silent
+ignore. `response_format` (both endpoints) and `tools` / `tool_choice` / `parallel_tool_calls`
+(chat) become a kipp.grammar constraint on the request; a schema or tool that cannot be enforced
+is a 400 naming the field.
+
+Ranges follow OpenAI's (temperature 0..2, penalties -2..2, logit_bias -100..100, n <= 8, legacy
+logprobs 0..5, top_logprobs 0..20, at most 4 stop strings); top_k, min_p and
+repetition_penalty are Kipp's (llama.cpp-style) extensions. A stop string is at most
+MAX_STOP_CHARS characters. /v1/completions takes a batch of prompts (a list of strings or of
+token-id lists: one scheduler request each, choices indexed i*n + j) and `echo` (the prompt's
+tokens first, with their logprobs when asked; max_tokens 0 only scores the prompt), as
+evaluation harnesses use them.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from kipp.sampling import SamplingError, SamplingParams
+from kipp.sampling import VOCAB_SIZE, SamplingError, SamplingParams
 from kipp.scheduler import MAX_CHOICES, Request
 
 MAX_STOP_STRINGS = 4
+# The longest stop string accepted. Matching costs the same per token whatever the length
+# (kipp.stops), but compiling one is linear in it and its table is held per request.
+MAX_STOP_CHARS = 131_072
 MAX_LEGACY_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -46,9 +58,11 @@ _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "frequency_penalty
                     "presence_penalty", "repetition_penalty", "logit_bias", "seed"}
 _COMMON_FIELDS = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user"} | \
     _SAMPLING_FIELDS
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix", "best_of",
+                                      "response_format"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                "chat_template_kwargs"}
+                                "chat_template_kwargs", "response_format", "tools", "tool_choice",
+                                "parallel_tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,16 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: bool  # whether choices carry logprobs (the count is request.logprobs)
+    tools: bool = False  # chat: parse <tool_call> blocks into tool_calls
+    batch: tuple[Request, ...] = ()  # a batch of prompts: every request, `request` first
+    # The body's names for what the scheduler calls "prompt" and "max_tokens", for errors.
+    prompt_param: str = "prompt"
+    max_tokens_param: str = "max_tokens"
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """One scheduler request per prompt."""
+        return self.batch or (self.request,)
 
 
 def _is_int(value) -> bool:
@@ -124,20 +148,36 @@ def _model(body: dict, served: str) -> None:
                             f"'{served}'", "model", "model_not_found")
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _logit_bias(body: dict) -> dict[int, float]:
     bias = body.get("logit_bias")
-    pairs = {}
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-        for key, value in bias.items():
-            try:
-                token = int(key)
-            except (TypeError, ValueError):
-                raise bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
-            if not _is_number(value) or not -100 <= value <= 100:
-                raise bad(f"'logit_bias[{key}]' must be a number in [-100, 100]", "logit_bias")
-            pairs[token] = float(value)
+    pairs: dict[int, float] = {}
+    if bias is None:
+        return pairs
+    if not isinstance(bias, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]+", key):
+            raise bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        token = int(key)
+        if token >= VOCAB_SIZE:
+            raise bad(f"'logit_bias' token id {token} is outside the vocabulary "
+                      f"0..{VOCAB_SIZE - 1}", "logit_bias")
+        if token in pairs:  # "1" and "01": one token given two biases
+            raise bad(f"'logit_bias' gives token id {token} twice", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise bad(f"'logit_bias[{key}]' must be a number in [-100, 100]", "logit_bias")
+        pairs[token] = float(value)
+    return pairs
+
+
+def _sampling_param(message: str) -> str | None:
+    """The field a SamplingError message is about (it starts with the parameter's name)."""
+    found = re.match(r"[a-z_]+", message)
+    return found.group(0) if found and found.group(0) in _SAMPLING_FIELDS else None
+
+
+def _sampling(body: dict) -> SamplingParams:
+    pairs = _logit_bias(body)
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise bad("'seed' must be an integer", "seed")
@@ -155,7 +195,7 @@ def _sampling(body: dict) -> SamplingParams:
             seed=None if seed is None else seed % 2**64,
         )
     except SamplingError as e:
-        raise bad(str(e)) from None
+        raise bad(str(e), _sampling_param(str(e))) from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -169,6 +209,10 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad(f"'stop' allows at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise bad("'stop' strings must not be empty", "stop")
+    longest = max(len(s) for s in stops)
+    if longest > MAX_STOP_CHARS:
+        raise bad(f"a 'stop' string is {longest} characters long; at most {MAX_STOP_CHARS} "
+                  f"are allowed", "stop")
     return tuple(stops)
 
 
@@ -192,26 +236,53 @@ def _user(body: dict) -> None:
         raise bad("'user' must be a string", "user")
 
 
-def _prompt(body: dict, tokenizer) -> list[int]:
+def _prompts(body: dict, tokenizer) -> list[list[int]]:
+    """The prompt, or a batch of prompts, as token ids."""
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("'prompt' is required", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' is empty", "prompt")
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        bad_ids = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-        if bad_ids:
-            raise bad(f"'prompt' token id {bad_ids[0]} is outside the vocabulary "
+        return [_text_prompt(prompt, "prompt", tokenizer)]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return [_token_prompt(prompt, "prompt", tokenizer)]
+        if all(isinstance(p, str) for p in prompt):
+            return [_text_prompt(p, f"prompt[{i}]", tokenizer) for i, p in enumerate(prompt)]
+        if all(isinstance(p, list) for p in prompt):
+            return [_token_prompt(p, f"prompt[{i}]", tokenizer) for i, p in enumerate(prompt)]
+        odd = _first_odd_item(prompt)
+        raise bad(f"'prompt[{odd}]' is a {type(prompt[odd]).__name__}: 'prompt' must be a "
+                  f"string, a list of token ids, a list of strings or a list of token-id "
+                  f"lists", "prompt")
+    raise bad("'prompt' must be a non-empty string, a list of token ids, a list of strings or "
+              "a list of token-id lists", "prompt")
+
+
+def _first_odd_item(items: list) -> int:
+    """The index of the first item that breaks the list's kind (token id, string or list)."""
+    kinds = (_is_int, lambda p: isinstance(p, str), lambda p: isinstance(p, list))
+    same = next((k for k in kinds if k(items[0])), None)
+    if same is None:
+        return 0
+    return next(i for i, p in enumerate(items) if not same(p))
+
+
+def _text_prompt(text: str, name: str, tokenizer) -> list[int]:
+    if not text:
+        raise bad(f"'{name}' is empty", "prompt")
+    return tokenizer.encode(text)
+
+
+def _token_prompt(ids: list, name: str, tokenizer) -> list[int]:
+    if not ids:
+        raise bad(f"'{name}' is empty", "prompt")
+    for t in ids:
+        if not _is_int(t):
+            raise bad(f"'{name}' holds a {type(t).__name__}; token ids are integers", "prompt")
+        if not 0 <= t < tokenizer.vocab_size:
+            raise bad(f"'{name}' token id {t} is outside the vocabulary "
                       f"0..{tokenizer.vocab_size - 1}", "prompt")
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise bad("'prompt' must be one prompt: batches of prompts are not supported; "
-                  "send one request per prompt (or use n for several completions)", "prompt")
-    raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    return list(ids)
 
 
 def parse_completion(body: Any, served: str, tokenizer) -> Call:
@@ -219,8 +290,7 @@ def parse_completion(body: Any, served: str, tokenizer) -> Call:
         raise bad("the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     _model(body, served)
-    if _boolean(body, "echo", False):
-        raise bad("'echo' is not supported", "echo", "unsupported_value")
+    echo = _boolean(body, "echo", False)
     if body.get("suffix") is not None:
         raise bad("'suffix' is not supported", "suffix", "unsupported_value")
     n = _integer(body, "n", 1, MAX_CHOICES, 1)
@@ -230,16 +300,59 @@ def parse_completion(body: Any, served: str, tokenizer) -> Call:
     logprobs = _integer(body, "logprobs", 0, MAX_LEGACY_LOGPROBS, None)
     stream, include_usage = _stream(body)
     _user(body)
-    request = Request(prompt=tuple(_prompt(body, tokenizer)),
-                      max_tokens=_integer(body, "max_tokens", 1, None,
-                                          DEFAULT_COMPLETION_TOKENS),
-                      n=n, sampling=_sampling(body), stop=_stop(body), logprobs=logprobs)
-    return Call("completions", request, stream, include_usage, logprobs is not None)
+    if _is_int(body.get("max_tokens")) and body["max_tokens"] == 0 and not echo:
+        raise bad("'max_tokens' 0 is only allowed with echo: true (to score the prompt)",
+                  "max_tokens")
+    max_tokens = _integer(body, "max_tokens", 0, None, DEFAULT_COMPLETION_TOKENS)
+    sampling, stop = _sampling(body), _stop(body)
+    grammar = _response_format(body)
+    requests = tuple(Request(prompt=tuple(ids), max_tokens=max_tokens, n=n, sampling=sampling,
+                             stop=stop, logprobs=logprobs, echo=echo, grammar=grammar)
+                     for ids in _prompts(body, tokenizer))
+    return Call("completions", requests[0], stream, include_usage, logprobs is not None,
+                batch=requests if len(requests) > 1 else ())
+
+
+def _response_format(body: dict):
+    from kipp.grammar import GrammarError, response_format_grammar
+
+    try:
+        return response_format_grammar(body.get("response_format"))
+    except GrammarError as e:
+        raise bad(str(e), "response_format") from None
+
+
+def _tools(body: dict):
+    """(grammar or None, whether to parse tool calls, the tools to render) for a chat body."""
+    from kipp.grammar import GrammarError, function_tools, tool_choice_grammar
+
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = _boolean(body, "parallel_tool_calls", True)
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
+        return None, False, None
+    try:
+        functions = function_tools(tools)
+        grammar = tool_choice_grammar(functions, choice, parallel)
+    except GrammarError as e:
+        raise bad(str(e), e.param if e.param in ("tools", "tool_choice") else "tools") from None
+    return grammar, choice != "none", tools
+
+
+def _chat_constraint(body: dict):
+    """(grammar, parse tool calls?, tools to render) of a chat body."""
+    grammar, parse, tools = _tools(body)
+    formatted = _response_format(body)
+    if grammar is not None and formatted is not None:
+        raise bad("'tool_choice' forces a tool call, so 'response_format' cannot also "
+                  "constrain the reply; give one of them", "response_format")
+    return grammar or formatted, parse, tools
 
 
 def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_length: int,
-               default_max_tokens: int) -> Call:
-    from kipp.chat import ChatError, render
+               default_max_tokens, template: str = "qwen3") -> Call:
+    from kipp.chat import ChatError, close_reasoning, render
 
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -261,10 +374,14 @@ def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_le
             raise bad(f"unsupported chat template argument '{unknown[0]}'",
                       "chat_template_kwargs")
         thinking = _boolean(kwargs, "enable_thinking", True)
+    grammar, parse_tools, tools = _chat_constraint(body)
     try:
-        text = render(messages, add_generation_prompt=True, enable_thinking=thinking)
+        text = render(messages, add_generation_prompt=True, enable_thinking=thinking,
+                      tools=tools, template=template)
     except ChatError as e:
         raise bad(f"'messages': {e}", "messages") from None
+    if grammar is not None:  # a constrained reply starts after an empty think block
+        text = close_reasoning(text, template)
     prompt = tokenizer.encode(text)
     n = _integer(body, "n", 1, MAX_CHOICES, 1)
     want = _boolean(body, "logprobs", False)
@@ -275,11 +392,21 @@ def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_le
         raise bad("give either 'max_tokens' or 'max_completion_tokens', not both",
                   "max_completion_tokens")
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    room = max(1, context_length - len(prompt))
-    max_tokens = _integer(body, name, 1, None, min(default_max_tokens, room))
+    max_tokens = _integer(body, name, 1, None, None)
+    if max_tokens is None:
+        max_tokens = _default_max_tokens(default_max_tokens, len(prompt), n, context_length)
     stream, include_usage = _stream(body)
     _user(body)
     request = Request(prompt=tuple(prompt), max_tokens=max_tokens, n=n,
                       sampling=_sampling(body), stop=_stop(body),
-                      logprobs=(top or 0) if want else None)
-    return Call("chat", request, stream, include_usage, want)
+                      logprobs=(top or 0) if want else None, grammar=grammar)
+    return Call("chat", request, stream, include_usage, want, tools=parse_tools,
+                prompt_param="messages", max_tokens_param=name)
+
+
+def _default_max_tokens(default, prompt_tokens: int, n: int, context_length: int) -> int:
+    """max_tokens for a chat request that gives none: `default(prompt_tokens, n)` when it is
+    a function (the server derives it from its KV pool), else `default` within the context."""
+    if callable(default):
+        return default(prompt_tokens, n)
+    return max(1, min(default, context_length - prompt_tokens))

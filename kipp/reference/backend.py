@@ -33,6 +33,7 @@ class ReferenceBackend(Backend):
     """The numpy oracle. Weights stay in the mapped artifact; KV is one BF16 (or Q8_0) slab."""
 
     name = "reference"
+    batch_invariant = True  # every row's arithmetic is independent of the others (ops.linear)
 
     def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
                  kv_scheme: str = "bf16"):
