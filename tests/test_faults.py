@@ -19,6 +19,7 @@ from kipp import faults, gates
 from kipp.blocks import BLOCK_SIZE, BlockPool
 from kipp.model import load
 from kipp.sampling import Sampler, SamplingParams, adjusted_logits
+from kipp.spec import SpecError
 
 TINY = "kipp-synthetic/qwen3-tiny"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "faults.md"
@@ -143,7 +144,10 @@ def check_spec(env) -> bool:
     ok = True
     for prompt in (noise + chain + noise[:3] + chain[:3], noise[:4] + edited + chain[:3]):
         generation = model.generate(prompt, 12, stream=True, temperature=0, speculative=True)
-        list(generation)
+        try:
+            list(generation)
+        except SpecError:  # the decoder's own consistency check saw the corrupted session
+            return False
         ok &= generation.stats.tokens == rule.continuation(prompt, 12)
     return ok
 
