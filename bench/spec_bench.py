@@ -11,13 +11,14 @@ tok/s (tokens picked from decode-eval logits / seconds in decode evals; prefill 
 speed-up is the median over rounds of each round's spec / plain ratio, with its MAD. Every spec
 run must emit exactly the plain run's tokens, or the record says so and the command fails.
 
-What the texts are, on a synthetic checkpoint. Its weights hold a successor table
-(kipp.synthetic): greedy text walks one fixed chain of tokens whatever the context says, and
-the model never copies from its context. A real model's "copy-heavy" text (editing code,
-quoting a document, re-stating a list) is text whose continuation already sits in the
-context. The synthetic equivalent is a prompt that holds the chain the model is about to walk:
-- copy: 16 random ids, then the next tokens+1 chain tokens, 3 random ids, then the chain's
-  first token: the continuation is in the prompt word for word.
+What the texts are, on a synthetic checkpoint. Its greedy tokens follow a designed rule of the
+last three tokens (kipp.synthetic.designed_rule): from three live tokens, greedy text walks a
+fixed chain, and the model never copies from its context. A real model's "copy-heavy" text
+(editing code, quoting a document, re-stating a list) is text whose continuation already sits
+in the context. The synthetic equivalent is a prompt that holds the chain the model is about to
+walk:
+- copy: 16 random ids, then the chain, 3 random ids, then the
+  chain's first three tokens: the continuation is in the prompt word for word.
 - code: the continuation in pieces of 2-4 chain tokens, each followed by an edit (a random
   id), the way code repeats identifiers and idioms with changes: drafts are right for a few
   tokens, then wrong.
@@ -48,23 +49,21 @@ TARGETS = {"copy": 1.8, "code": 0.9, "random": 0.9}
 
 def prompts(model, tokens: int, seed: int = 0) -> dict[str, list[int]]:
     """The three texts for a synthetic checkpoint (module docstring)."""
-    from kipp.synthetic import memory_prediction
+    from kipp.synthetic import designed_rule, live_token_ids
 
     rng = np.random.default_rng(seed)
     noise = [int(t) for t in rng.integers(0, 151_643, 64)]
-    pred = memory_prediction(model.entry)
-    chain = [int(pred[noise[0]])]
-    while len(chain) < tokens + 2:
-        chain.append(int(pred[chain[-1]]))
-    pieces, i = [], 1
+    head = [int(t) for t in rng.choice(live_token_ids(model.entry), 3, replace=False)]
+    chain = head + designed_rule(model.entry).continuation(head, tokens + 2)
+    pieces, i = [], 3
     for piece in range(tokens):
         if i >= len(chain):
             break
         n = 2 + piece % 3  # 2, 3, 4 chain tokens ...
         pieces += chain[i:i + n] + [noise[16 + piece % 48]]  # ... then an edit
         i += n + 1  # the edit replaces one chain token
-    return {"copy": noise[:16] + chain[1:] + noise[16:19] + chain[:1],
-            "code": noise[:16] + pieces + chain[:1],
+    return {"copy": noise[:16] + chain + noise[16:19] + chain[:3],
+            "code": noise[:16] + pieces + chain[:3],
             "random": noise}
 
 

@@ -9,49 +9,25 @@ Only numpy, ml_dtypes and safetensors are used (no torch). Every tensor is a fun
 seed and of random streams named after tensors ((seed, name) -> stream), so output is
 byte-identical for a seed whatever the order or sharding of the writes.
 
-Why not plain random weights. The correctness gates compare argmax between implementations
-that differ only by rounding (BF16 K/V, q8_0 weights). With i.i.d. random weights the final
-hidden state points nowhere in particular, the ~150k logits are near-i.i.d. Gaussian and the
-top two lie ~0.2 logit std apart: rounding flips the argmax at a few % of positions and
-greedy runs diverge within a few tokens. Trained models are peaked because the final hidden
-state lines up with ONE output row. These weights are built to do that, as a successor table:
-
-- Live tokens (`live_token_ids`): one per MLP unit, the most frequent clean text pieces
-  (space-prefixed ASCII words, ASCII punctuation, newline). Their embedding rows (and untied
-  lm_head rows) are N(0, embedding^2). Every other row is NONLIVE_SCALE times the row of a
-  live token, its cluster's, plus a little noise: as an input it reads as that live token, as
-  an output it stays far below the live one. Padding rows are zero.
-- Memory: the last layer's MLP is a key -> value memory (`_memory_tensor`). Unit i's gate and
-  up rows are live token i's embedding direction (the key), its down column is the output row
-  of i's successor pi(i) (the value). The RMS-normalised residual of live token i matches key
-  i at ~sqrt(hidden) and every other key at ~N(0, 1); SiLU(gate) * up squares that contrast,
-  so the memory writes pi(i)'s output row, MEMORY_GAIN times the input's own row (which a tied
-  head would otherwise predict). pi is one random cycle through all live tokens: greedy text
-  walks it, so it is varied, never the input token, never a special token (so never an early
-  stop) and readable-ish. `memory_prediction` is the designed argmax of every token.
-- Every other weight is random: q/k/v/gate/up N(0, init_std^2) and o/down N(0, init_std^2 /
-  (2 * layers)), GPT-2's residual scaling, so depth does not change the mix. The embedding is
-  sized so that all those random writes add up to RESIDUAL_NOISE of a live row, and q/k
-  RMSNorm weights average QK_NORM_GAIN so attention is sharp, as in trained models: each head
-  reads a few positions, so the context's share of the residual is about the same at every
-  position (with diffuse attention the first positions, averaging few values, got far larger
-  writes than later ones and lost their margin). Attention thus moves every logit, so
-  attention, RoPE or cache bugs still show far above the gates' NMSE bounds, but it does not
-  move the argmax: greedy output depends on the last token only, like a bigram model.
-- The final RMSNorm carries the gain that puts the successor's logit at SUCCESSOR_LOGIT over
-  the ~0 of the rest of the vocabulary: median top-1 probability ~0.9, peaked, not one-hot.
+Why not plain random weights. The gates compare argmax between implementations that differ
+only by rounding; with i.i.d. random weights the top two logits lie ~0.2 std apart and rounding
+flips them. And greedy-token checks (speculation, the scheduler, quantized artifacts, the MLX
+and JAX backends) only mean something if a bug in attention, RoPE or the KV cache changes the
+tokens. The weights therefore implement a small circuit (kipp.synthetic_circuit): the designed
+next token is the successor of the token two positions back, fetched through the KV cache by
+positional attention heads, and only while the attention softmax has its exact temperature;
+the winner's logit stands well clear of the rest at every position. `designed_rule(entry)`
+gives the designed greedy tokens; tests/test_synthetic.py shows that planted attention, RoPE,
+mask, KV and block-table faults change greedy output. Random heads and units, writing only
+dimensions no designed logit reads, keep every logit dependent on every formula.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import re
 import shutil
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
@@ -61,172 +37,34 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from kipp import registry
+from kipp import synthetic_circuit as circuit
 from kipp.errors import RegistryError
-from kipp.registry import ENDOFTEXT_ID, HEAD_DIM, VOCAB_SIZE, Checkpoint
+from kipp.registry import HEAD_DIM, VOCAB_SIZE, Checkpoint
+from kipp.synthetic_circuit import FIRST_PADDING_ID, live_token_ids, successor  # noqa: F401
 from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
-GENERATOR_VERSION = "synthetic-v2"  # bump when output bytes change; revisions name it
-# The successor construction (module docstring). Measured on the tiny entries, these give a
-# median top-1 probability ~0.9 and a top-1/top-2 gap >= 11 logit stds at every position.
-RESIDUAL_NOISE = 0.5  # RMS of all random layers' writes / RMS of a live embedding row
-NONLIVE_SCALE = 0.4  # a non-live row is this times its cluster's live row ...
-NONLIVE_NOISE = 0.1  # ... plus noise of its own, this times the embedding std
-MEMORY_SHARPNESS = 0.5  # memory gate rows are this times the key: SiLU near linear on a match
-MEMORY_GAIN = 2.5  # RMS of the memory's write / RMS of a live embedding row: > 1 outvotes the input
-SUCCESSOR_LOGIT = 15.0  # the successor's logit; the rest of the vocabulary sits near 0
-QK_NORM_GAIN = 2.0  # mean q/k RMSNorm weight: scores ~ N(0, 4^2), sharp attention
-ATTENTION_MIX = 0.7  # mean square of a sharp attention average of unit values (calibrated)
-NORM_NOISE = 0.1  # RMSNorm weights are 1 + N(0, NORM_NOISE): near 1, yet each one matters
-FIRST_PADDING_ID = 151_669  # embedding rows from here on are padding no text maps to
+GENERATOR_VERSION = "synthetic-v4"  # bump when output bytes change; revisions name it
 TRANSFORMERS_VERSION = "4.51.0"  # what upstream Qwen3 config files record
-# Live-token pieces: a space-prefixed ASCII word, 1-2 ASCII punctuation marks, or a newline.
-_CLEAN_PIECE = re.compile(r"Ġ[A-Za-z]+|Ġ?[!-/:-@\[-`{-~]{1,2}|Ċ")
 _EMBEDDING = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 _CHUNK = 1 << 22  # elements drawn at a time, so no tensor is ever held in float32 whole
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for checkpoints larger than this
 
 
-@dataclass(frozen=True)
-class InitScales:
-    """The scales of one synthetic checkpoint's weights (the module docstring says why)."""
-
-    projection: float  # q/k/v and gate/up of the random layers: the registry's init_std
-    residual_projection: float  # o and down of the random layers: init_std / sqrt(2 * layers)
-    embedding: float  # std of the live rows of the embedding (and of the untied lm_head)
-    memory_down: float  # down column scale that makes the memory write MEMORY_GAIN embeddings
-    norm_noise: float  # RMSNorm weights are 1 + N(0, norm_noise)
-    final_norm: float  # mean of the final RMSNorm weights: sets the logit scale
-
-
-@lru_cache(maxsize=None)
-def _silu_square_mean(tau: float) -> float:
-    """E[silu(g)^2] for g ~ N(0, tau^2), by Gauss-Hermite quadrature."""
-    z, w = np.polynomial.hermite_e.hermegauss(64)
-    g = tau * z
-    return float(np.sum(w * (g / (1 + np.exp(-g))) ** 2) / math.sqrt(2 * math.pi))
-
-
-def init_scales(entry: Checkpoint) -> InitScales:
-    """The init scales of a synthetic entry, derived from its shapes and init_std."""
-    d, layers = entry.hidden, entry.layers
-    s = entry.synthetic.init_std
-    s_out = s / math.sqrt(2 * layers)
-    tau = s * math.sqrt(d)  # std of v, gate and up entries: their input is RMS-normalised
-    # Mean squares of one random attention and one random MLP write, summed over the layers
-    # (the last MLP is the memory), fix the embedding std that makes them RESIDUAL_NOISE of it.
-    attention = entry.attention_width * s_out**2 * tau**2 * ATTENTION_MIX
-    mlp = entry.intermediate * s_out**2 * tau**2 * _silu_square_mean(tau)
-    embedding = math.sqrt(layers * attention + (layers - 1) * mlp) / RESIDUAL_NOISE
-    # A live token's residual reaches the memory at cosine 1/sqrt(1 + RESIDUAL_NOISE^2) with
-    # its key: that match z drives its unit to silu(a z) z, scaled here to MEMORY_GAIN rows.
-    z = math.sqrt(d / (1 + RESIDUAL_NOISE**2))
-    a = MEMORY_SHARPNESS * z
-    memory_down = MEMORY_GAIN * embedding / (a / (1 + math.exp(-a)) * z)
-    # The final hidden state is input + noise + memory; its successor logit is then
-    # gain * embedding * MEMORY_GAIN * d / sqrt(1 + RESIDUAL_NOISE^2 + MEMORY_GAIN^2).
-    spread = math.sqrt(1 + RESIDUAL_NOISE**2 + MEMORY_GAIN**2)
-    final_norm = SUCCESSOR_LOGIT * spread / (d * embedding * MEMORY_GAIN)
-    return InitScales(s, s_out, embedding, memory_down, NORM_NOISE, final_norm)
-
-
-@lru_cache(maxsize=1)
-def _clean_piece_ids() -> np.ndarray:
-    vocab = json.loads(tokenizer_json_bytes())["model"]["vocab"]
-    ids = np.array(sorted(i for piece, i in vocab.items()
-                          if i < ENDOFTEXT_ID and _CLEAN_PIECE.fullmatch(piece)))
-    ids.flags.writeable = False  # cached and shared
-    return ids
-
-
-def live_token_ids(entry: Checkpoint) -> np.ndarray:
-    """The memory's tokens, one per MLP unit: the first `intermediate` clean pieces by id.
-
-    BPE ids follow merge order, so these are the most frequent words and punctuation of
-    English and code, and greedy text made of them stays readable.
-    """
-    clean = _clean_piece_ids()
-    if len(clean) < entry.intermediate:
-        raise RegistryError(f"{entry.id}: intermediate {entry.intermediate} exceeds the "
-                            f"{len(clean)} clean vocabulary pieces a synthetic memory can use")
-    return clean[:entry.intermediate]
-
-
-def successor(entry: Checkpoint) -> np.ndarray:
-    """pi, as indices into live_token_ids: one random cycle through every live token.
-
-    One cycle (no fixed points, no short loops) keeps greedy text varied for as long as there
-    are live tokens.
-    """
-    order = _rng(entry.synthetic.seed, "successor").permutation(entry.intermediate)
-    pi = np.empty_like(order)
-    pi[order] = np.roll(order, -1)
-    return pi
-
-
-def _live_rows(entry: Checkpoint, matrix: str) -> np.ndarray:
-    """Float32 rows of the live tokens in token matrix `matrix` (embedding or lm_head)."""
-    rng = _rng(entry.synthetic.seed, matrix + "/live")
-    rows = rng.standard_normal((entry.intermediate, entry.hidden), dtype=np.float32)
-    return rows * np.float32(init_scales(entry).embedding)
-
-
-def _clusters(entry: Checkpoint, matrix: str) -> np.ndarray:
-    """For every row of token matrix `matrix`, the live token (index) whose row it copies."""
-    rng = _rng(entry.synthetic.seed, matrix + "/cluster")
-    return rng.integers(0, entry.intermediate, VOCAB_SIZE)
+def designed_rule(entry: Checkpoint) -> circuit.Rule:
+    """The designed greedy rule of a synthetic entry: `.next(tokens)`, `.continuation(tokens,
+    n)`, `.main_fires(tokens)` (see kipp.synthetic_circuit)."""
+    return circuit.rule(entry)
 
 
 def _token_matrix(entry: Checkpoint, name: str) -> np.ndarray:
-    """The embedding or lm_head: live rows, scaled copies of them elsewhere, zero padding."""
-    std = init_scales(entry).embedding
-    live, cluster = _live_rows(entry, name), _clusters(entry, name)
-    noise = _rng(entry.synthetic.seed, name)
+    """The embedding or lm_head in BF16, built a chunk of rows at a time."""
     out = np.empty((VOCAB_SIZE, entry.hidden), dtype=ml_dtypes.bfloat16)
     step = max(1, _CHUNK // entry.hidden)  # rows per chunk: float32 exists only per chunk
     for start in range(0, VOCAB_SIZE, step):
-        rows = noise.standard_normal((min(step, VOCAB_SIZE - start), entry.hidden),
-                                     dtype=np.float32)
-        rows *= np.float32(NONLIVE_NOISE * std)
-        rows += np.float32(NONLIVE_SCALE) * live[cluster[start:start + len(rows)]]
-        out[start:start + len(rows)] = rows.astype(ml_dtypes.bfloat16)
-    out[live_token_ids(entry)] = live.astype(ml_dtypes.bfloat16)
-    # Zero padding rows: their logit is 0, far below the top, so greedy output stays text.
-    out[FIRST_PADDING_ID:] = 0
+        stop = min(VOCAB_SIZE, start + step)
+        out[start:stop] = circuit.token_rows(entry, name, start, stop).astype(ml_dtypes.bfloat16)
     return out
-
-
-def memory_prediction(entry: Checkpoint) -> np.ndarray:
-    """The token the memory writes after each non-padding token id (the designed argmax).
-
-    A live token is followed by its successor; any other token reads as the live token its
-    embedding row copies, so by that one's successor. Attention noise can overrule this only
-    rarely (the tests measure how rarely).
-    """
-    live = live_token_ids(entry)
-    unit = _clusters(entry, _EMBEDDING)
-    unit[live] = np.arange(len(live))
-    return live[successor(entry)[unit[:FIRST_PADDING_ID]]]
-
-
-def _memory_tensor(entry: Checkpoint, kind: str) -> np.ndarray:
-    """The last MLP as a key -> value memory: unit i maps live token i to its successor.
-
-    Gate and up rows are both the unit key, so a unit's activation silu(a z) z grows as z^2
-    with the match z = key . input: ~d/(1 + RESIDUAL_NOISE^2) for the key's own token, ~N(0, 1)
-    for the others. The down column is the successor's output row (unit RMS) times the scale
-    that makes a match write MEMORY_GAIN embedding rows.
-    """
-    keys = _live_rows(entry, _EMBEDDING)
-    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
-    if kind == "memory_gate":
-        return (MEMORY_SHARPNESS * keys).astype(ml_dtypes.bfloat16)
-    if kind == "memory_up":
-        return keys.astype(ml_dtypes.bfloat16)
-    scales = init_scales(entry)
-    values = _live_rows(entry, _EMBEDDING if entry.tied else _LM_HEAD)[successor(entry)]
-    values *= np.float32(scales.memory_down / scales.embedding)
-    return np.ascontiguousarray(values.T).astype(ml_dtypes.bfloat16)
 
 
 def synthetic_entry(checkpoint_id: str) -> Checkpoint:
@@ -286,18 +124,16 @@ def tensor_specs(entry: Checkpoint) -> list[tuple[str, tuple[int, ...], str]]:
     specs = [(_EMBEDDING, (VOCAB_SIZE, h), "embedding")]
     for n in range(entry.layers):
         p = f"model.layers.{n}."
-        memory = n == entry.layers - 1  # the last MLP is the successor memory
         specs += [
-            (p + "self_attn.q_proj.weight", (aw, h), "projection"),
-            (p + "self_attn.k_proj.weight", (kv, h), "projection"),
-            (p + "self_attn.v_proj.weight", (kv, h), "projection"),
-            (p + "self_attn.o_proj.weight", (h, aw), "residual_projection"),
+            (p + "self_attn.q_proj.weight", (aw, h), "q"),
+            (p + "self_attn.k_proj.weight", (kv, h), "k"),
+            (p + "self_attn.v_proj.weight", (kv, h), "v"),
+            (p + "self_attn.o_proj.weight", (h, aw), "o"),
             (p + "self_attn.q_norm.weight", (HEAD_DIM,), "qk_norm"),
             (p + "self_attn.k_norm.weight", (HEAD_DIM,), "qk_norm"),
-            (p + "mlp.gate_proj.weight", (ff, h), "memory_gate" if memory else "projection"),
-            (p + "mlp.up_proj.weight", (ff, h), "memory_up" if memory else "projection"),
-            (p + "mlp.down_proj.weight", (h, ff),
-             "memory_down" if memory else "residual_projection"),
+            (p + "mlp.gate_proj.weight", (ff, h), "gate"),
+            (p + "mlp.up_proj.weight", (ff, h), "up"),
+            (p + "mlp.down_proj.weight", (h, ff), "down"),
             (p + "input_layernorm.weight", (h,), "norm"),
             (p + "post_attention_layernorm.weight", (h,), "norm"),
         ]
@@ -307,43 +143,19 @@ def tensor_specs(entry: Checkpoint) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
-def _rng(seed: int, name: str) -> np.random.Generator:
-    # A stable digest of the name (Python's hash() is salted per process) joins the seed.
-    words = np.frombuffer(hashlib.sha256(name.encode()).digest()[:16], dtype="<u4")
-    return np.random.default_rng(np.random.SeedSequence([seed, *words.tolist()]))
-
-
-def _gaussian(entry: Checkpoint, name: str, shape, mean: float, std: float) -> np.ndarray:
-    """N(mean, std^2) in BF16, drawn in float32 chunks from the (seed, name) stream."""
-    rng = _rng(entry.synthetic.seed, name)
-    out = np.empty(shape, dtype=ml_dtypes.bfloat16)
-    flat = out.reshape(-1)
-    for start in range(0, flat.size, _CHUNK):
-        values = rng.standard_normal(min(_CHUNK, flat.size - start), dtype=np.float32)
-        values *= std
-        values += mean
-        flat[start:start + values.size] = values.astype(ml_dtypes.bfloat16)
-    return out
-
-
 def make_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
     """One weight in BF16, from the (seed, name) stream and the named streams it reads."""
-    scales = init_scales(entry)
     if kind in ("embedding", "lm_head"):
         out = _token_matrix(entry, name)
-    elif kind.startswith("memory_"):
-        out = _memory_tensor(entry, kind)
-    elif kind == "norm":
-        out = _gaussian(entry, name, shape, 1.0, scales.norm_noise)
-    elif kind == "qk_norm":
-        out = _gaussian(entry, name, shape, QK_NORM_GAIN, scales.norm_noise * QK_NORM_GAIN)
-    elif kind == "final_norm":
-        out = _gaussian(entry, name, shape, scales.final_norm,
-                        scales.norm_noise * scales.final_norm)
+    elif kind in ("norm", "qk_norm", "final_norm"):
+        out = circuit.norm_weights(entry, name, kind)
+    elif kind in ("q", "k", "v", "o"):
+        out = circuit.attention_tensor(entry, name, tuple(shape), kind)
+    elif kind in ("gate", "up", "down"):
+        out = circuit.mlp_tensor(entry, name, tuple(shape), kind)
     else:
-        std = {"projection": scales.projection,
-               "residual_projection": scales.residual_projection}[kind]
-        out = _gaussian(entry, name, shape, 0.0, std)
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    out = out.astype(ml_dtypes.bfloat16)
     assert out.shape == tuple(shape), (name, out.shape, shape)
     return out
 
@@ -425,26 +237,28 @@ def _write_tokenizer(entry: Checkpoint, out: Path) -> None:
 
 def readme(entry: Checkpoint) -> str:
     """A short model card saying the weights are synthetic and how they were made."""
-    s = init_scales(entry)
-    head = "embedding" if entry.tied else "embedding and lm_head"
+    s = circuit.scales(entry)
     return (
         f"# {entry.id}\n\n"
         "**Synthetic weights.** Seeded numbers in the Qwen3 architecture and the Hugging Face "
         "file layout, made by Kipp for tests and benchmarks. Not a trained model: its text is "
-        "meaningless, but its next-token distributions are peaked like a trained model's.\n\n"
+        "meaningless, but its next-token distributions are peaked like a trained model's, and "
+        "its greedy output depends on the context through attention.\n\n"
         f"- generator: `kipp.synthetic` {GENERATOR_VERSION}, seed {entry.synthetic.seed} "
         f"(revision `{entry.revision}`)\n"
         f"- shapes: hidden {entry.hidden}, intermediate {entry.intermediate}, layers "
         f"{entry.layers}, query heads {entry.query_heads}, 8 KV heads, head_dim 128, "
         f"{'tied' if entry.tied else 'untied'} output head\n"
-        f"- successor table: {entry.intermediate} live tokens (frequent clean text pieces) have "
-        f"{head} rows N(0, {s.embedding:.4g}); other rows are {NONLIVE_SCALE} times a live "
-        f"row plus noise; padding rows from {FIRST_PADDING_ID} are zero. The last layer's MLP "
-        "maps each live token (its gate/up rows) to a successor's row (its down column), one "
-        "random cycle through all live tokens\n"
-        f"- random layers: q/k/v/gate/up N(0, {s.projection}), o/down "
-        f"N(0, {s.residual_projection:.4g}); RMSNorm weights 1 + N(0, {s.norm_noise}), q/k "
-        f"norms {QK_NORM_GAIN} times that, the final one {s.final_norm:.4g} times; BF16\n"
+        f"- designed greedy rule: {circuit.N_LIVE} live tokens (frequent words and "
+        "punctuation) in one successor cycle; the next token is the successor of the token "
+        "two positions back when that one is live and differs from the previous one, else "
+        "the successor of the current token (or its cluster's pick). The first layer's "
+        "positional heads and MLP measure the attention softmax's temperature, the last "
+        "layer's head and MLP fetch two positions back and decide (kipp/synthetic_circuit.py)\n"
+        f"- random heads and units: q/k/v/gate/up N(0, {s.projection}), o N(0, "
+        f"{s.attention_write:.4g}) and down N(0, {s.mlp_write:.4g}) into dimensions no "
+        "designed logit reads; RMSNorm "
+        f"weights 1 + N(0, {circuit.NORM_NOISE}) on token dimensions; BF16\n"
         f"- regenerate: `kipp synthesize {entry.id} --out DIR`\n\n"
         "The tokenizer files are the upstream Qwen3 tokenizer (Apache-2.0, Qwen team).\n"
     )

@@ -255,3 +255,18 @@ def test_round_planning_and_packing():
     assert a.slots[15] == 6 * 32  # padding rows store past the slab's end: dropped
     assert list(a.slots[:4]) == [3 * 32 + 29, 3 * 32 + 30, 3 * 32 + 31, 5 * 32]  # table (3, 5)
     assert dests == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_a_broken_jax_backend_is_an_error_not_no_gpu(monkeypatch):
+    """backend="auto" asks jax_sees_gpu: JAX failing to initialise must not read as "no GPU"."""
+    import kipp.cuda
+    from kipp.errors import KippError
+
+    def broken():
+        raise RuntimeError("Unable to initialize backend 'cuda'")
+
+    monkeypatch.setattr(jax, "default_backend", broken)
+    with pytest.raises(KippError, match="could not initialise"):
+        kipp.cuda.jax_sees_gpu()
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert kipp.cuda.jax_sees_gpu() is False

@@ -164,18 +164,18 @@ def test_pool_exhaustion_fails_cleanly(artifacts):
     assert model.pool.stats()["in_use"] == 0
 
 
-@pytest.mark.parametrize("scheme", ["q8_0"])
-def test_q8_0_greedy_continuation_equals_bf16(models, scheme):
-    result = gates.gate_quantized(models(TINY, scheme), models(TINY, "bf16"))
-    print(gates.format_table([result]))
-    assert result.passed, result
+# Quantization noise of each scheme vs BF16 on the tiny checkpoint: NMSE over every position of
+# DEFAULT_PROMPTS[1] (the quality report), measured and held with room, as a report of how much
+# a scheme changes the model; the designed greedy tokens survive every scheme.
+QUALITY_NMSE = {"q8_0": 2e-4, "affine4_gs32": 3e-2, "scale4_gs32": 3e-2}
 
 
-@pytest.mark.parametrize("scheme", ["affine4_gs32", "scale4_gs32"])
-def test_4bit_schemes_within_bound(models, scheme):
-    result = gates.gate_quantized(models(TINY, scheme), models(TINY, "bf16"))
+@pytest.mark.parametrize("scheme", ["q8_0", "affine4_gs32", "scale4_gs32"])
+def test_quantized_quality_report(models, scheme):
+    result = gates.quality_report(models(TINY, scheme), models(TINY, "bf16"))
     print(gates.format_table([result]))
-    assert result.metric <= gates.QUANT_NMSE[scheme], result
+    assert not result.gating and "identical" in result.detail, result
+    assert result.metric <= QUALITY_NMSE[scheme], result
 
 
 def test_generate_greedy_repeats_and_streams(models):
@@ -259,7 +259,8 @@ def test_backend_gate_passes_a_twin_and_names_the_first_bad_step(artifacts):
     oracle, twin = ReferenceBackend(artifact, 8), ReferenceBackend(artifact, 8)
     tokens = np.random.default_rng(0).integers(0, 151_643, 30)
     same = gates.gate_backends(oracle, twin, tokens, (5, 1, 6), logits_rows=4, decode_steps=3)
-    assert same.passed and same.metric == 0.0 and same.bound == gates.BACKEND_NMSE
+    assert same.passed and same.metric == 0.0
+    assert same.bound == gates.calibrated_bound("reference", "reference") == 0.0
 
     class Nudged(ReferenceBackend):
         def eval(self, items):
@@ -269,7 +270,7 @@ def test_backend_gate_passes_a_twin_and_names_the_first_bad_step(artifacts):
             return out
 
     bad = gates.gate_backends(oracle, Nudged(artifact, 8), tokens, (5, 1, 6), decode_steps=3)
-    assert not bad.passed and bad.metric > gates.BACKEND_NMSE
+    assert not bad.passed and bad.metric > 0.0
     assert "decode position 32" in bad.name and "row 0" in bad.detail
     logits = oracle.eval([EvalItem(tuple(int(t) for t in tokens), 0, (5, 1, 6), 2)])[0]
     swapped = logits.copy()

@@ -12,6 +12,7 @@ from kipp.registry import IM_END_ID
 from kipp.sampling import SamplingParams
 from kipp.scheduler import (Delta, Done, Failed, QueueFull, Request, Scheduler,
                             SchedulerError, collect)
+from kipp.synthetic import designed_rule, live_token_ids
 
 TINY = "kipp-synthetic/qwen3-tiny"
 
@@ -253,9 +254,12 @@ def test_speculative_scheduler_emits_plain_greedy_tokens(model):
     repetitive = model.tokenizer.encode("alpha beta gamma delta " * 12)
     ps = [prompts(model)[0], repetitive]
     greedy = [isolated(model, p, 24, temperature=0)[0] for p in ps]
-    # The model's greedy chain, then its first token again: the synthetic model follows the
-    # same chain from there, so the drafter's copy of it is accepted.
-    chain = greedy[0] + greedy[0][:1]
+    # Designed text, then its first three tokens again: the synthetic model's greedy next
+    # token is a rule of the last three (kipp.synthetic.designed_rule), so it follows the same
+    # text from there and the drafter's copy of it is accepted.
+    live = live_token_ids(model.entry)
+    head = [int(live[i]) for i in (3, 10, 17)]
+    chain = head + designed_rule(model.entry).continuation(head, 30) + head
     ps.append(chain)
     greedy.append(isolated(model, chain, 24, temperature=0)[0])
     sampled = isolated(model, ps[1], 12, temperature=1.0, seed=9)[0]

@@ -1,9 +1,10 @@
 """Speculative decoding (kipp.spec): the emitted tokens are exactly plain greedy decoding's.
 
-The synthetic checkpoints continue greedily along a built-in successor chain
-(kipp.synthetic.memory_prediction), so a "copy" prompt holding a stretch of that chain is the
-case where prompt-lookup drafts are right, a "code-like" one holding it in edited pieces makes
-them partly right, and repetitive text and random ids leave them wrong or absent. Injected drafters that are always right or always wrong pin
+The synthetic checkpoints' greedy tokens follow a designed rule of the last three tokens
+(kipp.synthetic.designed_rule), so a "copy" prompt holding a stretch of designed text and
+ending with its first three tokens is the case where prompt-lookup drafts are right, a
+"code-like" one holding it in edited pieces makes them partly right, and repetitive text and
+random ids leave them wrong or absent. Injected drafters that are always right or always wrong pin
 the verification and rollback logic; a scripted one rolls back to positions 31, 32 and 33.
 """
 
@@ -16,19 +17,17 @@ from kipp.model import GenerationError, load
 from kipp.registry import IM_END_ID
 from kipp.sampling import sample_greedy
 from kipp.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig, SpeculativeDecoder
-from kipp.synthetic import memory_prediction
+from kipp.synthetic import designed_rule, live_token_ids
 
 TINY = "kipp-synthetic/qwen3-tiny"
 STEPS = 16
 
 
 def _chain(model, start: int, n: int) -> list[int]:
-    """n tokens of the model's designed greedy chain after token `start`."""
-    pred = memory_prediction(model.entry)
-    out = [int(pred[start])]
-    while len(out) < n:
-        out.append(int(pred[out[-1]]))
-    return out
+    """n tokens of the model's designed greedy text, from three live tokens picked by `start`."""
+    live = live_token_ids(model.entry)
+    head = [int(live[(start + 7 * i) % len(live)]) for i in range(3)]
+    return (head + designed_rule(model.entry).continuation(head, n))[:n]
 
 
 def _prompts(model) -> dict[str, list[int]]:
@@ -39,8 +38,8 @@ def _prompts(model) -> dict[str, list[int]]:
     # repeats identifiers and idioms with changes
     pieces = [t for i in range(0, 40, 4) for t in chain[i:i + 2 + i % 3] + [noise[i % 12]]]
     return {
-        "copy": noise + chain[:48] + noise[:3] + chain[:1],  # the continuation is in the prompt
-        "code-like": noise[:4] + pieces + chain[:1],
+        "copy": noise + chain[:48] + noise[:3] + chain[:3],  # the continuation is in the prompt
+        "code-like": noise[:4] + pieces + chain[:3],
         "repetitive": model.tokenizer.encode("The cat sat on the mat. " * 6),
         "random": [int(t) for t in rng.integers(0, 151_643, 40)],
     }
@@ -226,14 +225,20 @@ def test_stop_string_and_max_tokens_cut_where_plain_does(models):
 
 def test_stop_token_cuts_a_draft(models):
     """A logit bias makes <|im_end|> the greedy pick at step j (where its gap to the chain
-    token first dips below every earlier gap): plain decoding stops there, and speculation
+    token dips below every earlier gap): plain decoding stops there, and speculation
     stops there too, whether a prompt-lookup draft runs past it or an oracle drafts it."""
     model = models(TINY)
     prompt = _prompts(model)["copy"]
     _, free = _generate(model, prompt)
     logits = gates.all_position_logits(model, prompt + free.tokens)[len(prompt) - 1:-1]
     gaps = logits[np.arange(STEPS), free.tokens] - logits[:, IM_END_ID]
-    j = next(i for i in range(4, 15) if gaps[i] < gaps[:i].min())
+    # The designed rule's margins are nearly equal, so the first gap may be the smallest: the
+    # prompt then takes the first s greedy tokens, so that a later gap dips below all before it.
+    s = next(s for s in range(STEPS - 2)
+             if any(gaps[i] < gaps[s:i].min() for i in range(s + 1, STEPS - 1)))
+    prompt, gaps = prompt + free.tokens[:s], gaps[s:]
+    _, free = _generate(model, prompt)
+    j = [i for i in range(1, len(gaps)) if gaps[i] < gaps[:i].min()][-1]
     options = dict(logit_bias={IM_END_ID: float(gaps[j] + gaps[:j].min()) / 2})
     _, plain = _generate(model, prompt, **options)
     assert plain.finish_reason == "stop" and plain.tokens == free.tokens[:j]

@@ -20,6 +20,8 @@ import ctypes.util
 import os
 import sys
 
+from kipp.errors import KippError
+
 
 def nvidia_driver_present() -> bool:
     """True when an NVIDIA kernel driver or its user-space library (libcuda) is visible."""
@@ -37,13 +39,19 @@ _quiet_cuda_plugin_without_driver()
 
 
 def jax_sees_gpu() -> bool:
-    """True when JAX is installed and its default backend is a GPU (backend="auto" asks this)."""
+    """True when JAX is installed and its default backend is a GPU (backend="auto" asks this).
+
+    JAX missing is "no GPU"; JAX failing to initialise its backend (a broken CUDA plugin, a
+    JAX_PLATFORMS naming an unavailable platform) is an error, not a silent CPU fallback."""
     try:
         import jax
-
-        return jax.default_backend() == "gpu"
-    except Exception:  # JAX missing, or its GPU plugin failing to initialise
+    except ImportError:
         return False
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError as e:
+        raise KippError(f"JAX is installed but could not initialise its backend ({e}); fix "
+                        "the CUDA install or choose --backend reference") from e
 
 
 def jax_usable() -> tuple[bool, str]:

@@ -1,0 +1,90 @@
+"""`kipp gates`: every gate passes on every correct backend and scheme, and a source folder
+that no longer matches the artifact fails it."""
+
+from __future__ import annotations
+
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kipp import gates
+from kipp.cli import main as cli_main
+
+TINY = "kipp-synthetic/qwen3-tiny"
+TINY_IDS = ["kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base",
+            "kipp-synthetic/qwen3-tiny-untied"]
+SCHEMES = ["bf16", "q8_0", "affine4_gs32", "scale4_gs32"]
+BACKENDS = ["reference", "jax", "mlx"]
+
+
+def perturbed_copy(source, out, layer: int = 1, factor: float = 1.03):
+    """A copy of a single-file source folder with every weight of one layer scaled by 3%."""
+    shutil.copytree(source, out)
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    prefix = f"model.layers.{layer}."
+    for name in tensors:
+        if name.startswith(prefix):
+            tensors[name] = (tensors[name].astype(np.float32) * factor).astype(ml_dtypes.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+def _gates(capsys, checkpoint, backend, scheme, *extra):
+    pytest.importorskip({"jax": "jax", "mlx": "mlx.core"}.get(backend, "numpy"))
+    code = cli_main(["gates", checkpoint, "--backend", backend, "--scheme", scheme, *extra])
+    return code, capsys.readouterr().out
+
+
+def test_every_row_prints_an_error_measure_and_a_bound():
+    rows = [gates.GateResult("a", True, 1.5e-9, 2e-7, "x", "worst-row NMSE"),
+            gates.GateResult("b", False, 3.0, 0.0, "y", "prompts off the design"),
+            gates.GateResult("c", True, 0.01, float("nan"), "z", gating=False)]
+    table = gates.format_table(rows).splitlines()
+    assert "PASS" in table[1] and "1.500e-09" in table[1] and "2.0e-07" in table[1]
+    assert "FAIL" in table[2] and "prompts off the design" in table[2]
+    assert "INFO" in table[3] and "report" in table[3]
+
+
+def test_bounds_are_calibrated_per_backend():
+    for backend in BACKENDS:
+        for gate in ("transformers", "cached_decode", "batched"):
+            assert 0.0 <= gates.calibrated_bound(backend, gate) < 1e-4, (backend, gate)
+    assert gates.calibrated_bound("reference", "batched") == 0.0  # the reference promises bitwise
+    assert gates.calibrated_bound("jax", "reference") > 0.0
+    with pytest.raises(KeyError, match="no calibrated"):
+        gates.calibrated_bound("reference", "nope")
+
+
+def test_gates_fail_when_the_source_is_perturbed(artifacts, synthetic_dir, tmp_path, capsys):
+    """The artifact made from the source, checked against a source with one layer 3% off:
+    the source gate and transformers see it (test_reference passes the unperturbed one)."""
+    bad = perturbed_copy(synthetic_dir(TINY), tmp_path / "perturbed")
+    code, out = _gates(capsys, str(artifacts(TINY)), "reference", "bf16", "--source", str(bad))
+    assert code == 1, out
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()[2:]}
+    assert "FAIL" in rows["artifact = source"] and "FAIL" in rows["vs transformers (bf16)"], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("checkpoint", TINY_IDS)
+def test_kipp_gates_pass_on_every_backend_and_scheme(capsys, checkpoint, backend, scheme):
+    code, out = _gates(capsys, checkpoint, backend, scheme)
+    print(out)
+    assert code == 0, out
+    assert "FAIL" not in out and "greedy = designed rule" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", ["bf16", "affine4_gs32"])
+def test_kipp_gates_fail_on_a_perturbed_source(synthetic_dir, tmp_path, capsys, backend, scheme):
+    bad = perturbed_copy(synthetic_dir(TINY), tmp_path / "perturbed")
+    code, out = _gates(capsys, TINY, backend, scheme, "--source", str(bad))
+    print(out)
+    assert code == 1, out
