@@ -162,8 +162,7 @@ def run_gates(artifact, chosen, source=None) -> list[gates.GateResult]:
     counting = GATE_PROMPTS[min(2, len(GATE_PROMPTS) - 1)]  # `kipp gates`' scrambled prompt
     results += [gates.gate_cached_decode(model, GATE_PROMPTS[0]),
                 gates.gate_scrambled_table(model, counting),
-                gates.gate_batched(model, GATE_PROMPTS, tolerance=0.0 if chosen.name ==
-                                   "reference" else gates.BACKEND_NMSE)]
+                gates.gate_batched(model, GATE_PROMPTS)]  # the backend's calibrated bound
     return results
 
 
@@ -173,7 +172,8 @@ def _transformers_gate(model, source) -> gates.GateResult:
         import transformers  # noqa: F401
     except ImportError as e:
         return gates.GateResult("vs transformers (every position)", None, float("nan"),
-                                gates.TRANSFORMERS_NMSE, f"skipped: {e.name} is not installed")
+                                gates.calibrated_bound(model.backend, "transformers"),
+                                f"skipped: {e.name} is not installed")
     if source is None:
         from kipp.store import source_folder
 

@@ -25,7 +25,7 @@ def _gate(ref, backend, prompt_len=30, decode_steps=3, rows=4):
     table = np.random.default_rng(0).permutation(BLOCKS)[:3]
     tokens = tuple(int(t) for t in np.random.default_rng(2).integers(0, 151_643, prompt_len))
     result = gates.gate_backends(ref, backend, tokens, table, logits_rows=rows,
-                                 decode_steps=decode_steps, bound=gates.BACKEND_NMSE)
+                                 decode_steps=decode_steps)  # the backend's calibrated bound
     assert result.passed, result.detail
 
 
@@ -122,6 +122,7 @@ def test_mlx_planes_twin_is_the_numpy_dequantizer(fmt):
 def test_jax_weight_memory(artifacts, monkeypatch):
     pytest.importorskip("jax")
     from kipp.cuda.backend import JaxBackend
+    from kipp.cuda.layout import float32_layout
 
     artifact = open_artifact(artifacts(UNTIED, "bf16"))
     monkeypatch.setattr(memory, "weight_budget", lambda: 2**20)
@@ -129,7 +130,8 @@ def test_jax_weight_memory(artifacts, monkeypatch):
     assert stored.layout == "device" and "would exceed the budget" in stored.describe()
     _gate(ReferenceBackend(artifact, BLOCKS), stored)
     wide = JaxBackend(artifact, BLOCKS, weight_memory="float32")
-    assert wide.layout == "f32" and wide.weight_bytes > 1.9 * stored.weight_bytes
+    # float32 on one CPU device: Kipp's CPU matmul panels where it builds, else plain float32
+    assert wide.layout == float32_layout("cpu") and wide.weight_bytes > 1.9 * stored.weight_bytes
     assert JaxBackend(artifact, 2, weight_layout="device").memory.mode == "stored"
 
 
