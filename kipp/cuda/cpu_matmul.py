@@ -87,26 +87,6 @@ def matmul_reference(x: jax.Array, panels: jax.Array) -> jax.Array:
     return jnp.dot(x, unpack(panels).T, precision=jax.lax.Precision.HIGHEST)
 
 
-def prepare_weights(artifact) -> dict:
-    """kipp.cuda.layout.prepare_weights' pytree in the "panels" layout: every projection and the
-    output head as Linear(panels, fmt="f32p"); a tied checkpoint's embedding is the head's
-    Linear itself (looked up with `rows`), an untied one's stays a float32 [vocab, hidden]."""
-    from kipp.cuda.layout import NORMS, PROJECTIONS, Linear
-
-    w = artifact.weights
-    layers = []
-    for layer in w.layers:
-        params = {name: Linear(pack(getattr(layer, name).f32()), fmt="f32p")
-                  for name in PROJECTIONS}
-        params.update({name: getattr(layer, name).f32() for name in NORMS})
-        layers.append(params)
-    if w.tied:
-        embed, head = Linear(pack(w.token_embd.f32()), fmt="f32p"), None
-    else:
-        embed, head = w.token_embd.f32(), Linear(pack(w.output.f32()), fmt="f32p")
-    return {"embed": embed, "head": head, "output_norm": w.output_norm.f32(), "layers": layers}
-
-
 def available() -> tuple[bool, str]:
     """(True, how it was built) once the kernel is registered with XLA, else (False, why)."""
     switch = os.environ.get(ENV, "")

@@ -161,7 +161,7 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
     if layout == "panels":  # built whole (kipp.cuda.cpu_matmul), placed as one tree
         from kipp.cuda import cpu_matmul
 
-        return place("panels", cpu_matmul.prepare_weights(artifact))
+        return place("panels", _panel_weights(artifact, cpu_matmul.pack))
     w = artifact.weights
 
     def put(name, tensor, value):
@@ -185,6 +185,25 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
     tree["output_norm"] = place("output_norm", w.output_norm.f32())
     tree["layers"] = layers
     return tree
+
+
+def _panel_weights(artifact: Artifact, pack: Callable) -> dict[str, Any]:
+    """prepare_weights' pytree in the "panels" layout: every projection and the output head as
+    Linear(pack(float32), fmt="f32p") (kipp.cuda.cpu_matmul's panels); a tied checkpoint's
+    embedding is the head's Linear itself (looked up by cpu_matmul.rows), an untied one's stays
+    a float32 [vocab, hidden]."""
+    w = artifact.weights
+    layers = []
+    for layer in w.layers:
+        params = {name: Linear(pack(getattr(layer, name).f32()), fmt="f32p")
+                  for name in PROJECTIONS}
+        params.update({name: getattr(layer, name).f32() for name in NORMS})
+        layers.append(params)
+    if w.tied:
+        embed, head = Linear(pack(w.token_embd.f32()), fmt="f32p"), None
+    else:
+        embed, head = w.token_embd.f32(), Linear(pack(w.output.f32()), fmt="f32p")
+    return {"embed": embed, "head": head, "output_norm": w.output_norm.f32(), "layers": layers}
 
 
 def float32_bytes(artifact: Artifact) -> int:
