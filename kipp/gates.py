@@ -80,9 +80,12 @@ BOUNDS: dict[str, dict[str, float]] = {
 # their sums are float32 like the twins', whose other bounds they are held to (the slow tests
 # there run transformers, cached decode and batched through them).
 BOUNDS["mlx-kernels"] = {**BOUNDS["mlx"], "reference": 1e-9}
-# The Pallas kernels: not calibrated (no GPU where the rest was measured); DESIGN.md's bound
-# between backends until tools/calibrate_gates.py runs on a GPU.
-BOUNDS["jax-kernels"] = dict.fromkeys(GATES, 1e-4)
+# The Pallas kernels: DESIGN.md's bound between backends until tools/calibrate_gates.py runs on
+# a GPU, except against the reference, measured in interpret mode here: their dots take BF16
+# operands on tensor cores (issue 15), which the synthetic-v4 circuits amplify to 2.4e-4..3.8e-4
+# on every scheme of qwen3-tiny and qwen3-tiny-untied (20-token prefill and a decode step,
+# 2026-11-30, worst affine4_gs32 untied 3.76e-4) -> 3e-3 (x 8.0).
+BOUNDS["jax-kernels"] = {**dict.fromkeys(GATES, 1e-4), "reference": 3e-3}
 QUALITY_STEPS = 32  # greedy tokens compared in the quality report
 
 DEFAULT_PROMPTS = (

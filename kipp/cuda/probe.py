@@ -13,9 +13,10 @@ comparison). Each kernel runs through the same entry point the step calls, on th
 device, so a compile error (Triton, ptxas), a launch error or a wrong result shows here.
 
 Bounds: 1e-7 NMSE where kernel and twin do the same float32 arithmetic in another order
-(measured here in interpret mode: at most 1e-13), 1e-5 for the tile dots of the matmul and
-prefill attention, which may take BF16 operands on tensor cores (rounding one operand to BF16
-is about 1e-6); a planted 1% scale error is 1e-4, an indexing fault far more.
+(measured here in interpret mode: at most 1e-13), 1e-5 for the tile dots of the matmul and of
+both attention kernels, which take BF16 operands on tensor cores (rounding one operand to BF16
+is about 1e-6; decode attention measured 2.6e-6 in interpret mode); a planted 1% scale error is
+1e-4, an indexing fault far more.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _attention_probes(kv_scheme: str, query_heads: int, interpret: bool, device,
         lambda: np.asarray(decode_mod.decode_attention(q, k, v, lengths, tables,
                                                        interpret=interpret)),
         lambda: np.asarray(decode_mod.decode_attention_reference(q, k, v, lengths, tables)),
-        EXACT_BOUND)
+        TILE_BOUND)  # its dots take BF16 operands on tensor cores (issue 15): measured 2.6e-6
     queries = 8  # sequence 0: positions 32..39; sequence 1: 0..4 and three padding slots
     pos = np.array([np.arange(32, 40), [0, 1, 2, 3, 4, -1, -1, -1]], np.int32)
     valid = pos >= 0
