@@ -196,9 +196,9 @@ def test_rollback_into_an_adopted_shared_block(models):
     with model.session() as fresh:
         want = fresh.eval(tokens[:48], logits_rows=8)
     with model.session() as s:
-        adopted = s.match_prefix(tokens)
-        s.eval(tokens[adopted:adopted + 3])
-        assert adopted == 64 and s.shared_blocks == 2
+        adopted = s.match_prefix(tokens)  # two full blocks and the cached tail (kipp.blocks)
+        s.eval(tokens[adopted:])
+        assert adopted == len(tokens) - 1 and s.shared_blocks >= 2
         s.truncate(40)  # inside shared block 1
         assert s.shared_blocks == 1 and s.length == 40
         got = s.eval(tokens[40:48], logits_rows=8)

@@ -26,10 +26,19 @@ class KippEngine(Engine):
         from kipp.probe import FALLBACK_ENV
 
         spec = self.spec
-        os.environ[FALLBACK_ENV] = "0"  # a kernel that fails its probe fails the arm, loudly
         options = {k: v for k, v in spec.options.items() if k == "weight_memory"}
-        self.model = kipp.load(spec.artifact, backend=spec.backend, kv_tokens=spec.context,
-                               progress=False, **options)
+        # a kernel that fails its probe (at load) fails the arm, loudly; the switch is restored
+        # after the load, so an in-process caller (the tests) keeps its own setting
+        previous = os.environ.get(FALLBACK_ENV)
+        os.environ[FALLBACK_ENV] = "0"
+        try:
+            self.model = kipp.load(spec.artifact, backend=spec.backend, kv_tokens=spec.context,
+                                   progress=False, **options)
+        finally:
+            if previous is None:
+                del os.environ[FALLBACK_ENV]
+            else:
+                os.environ[FALLBACK_ENV] = previous
         described = self.model.backend.describe()
         check_kernel_path(spec.backend, spec.scheme, described, spec.expect_path)
         return {"describe": described, "backend": self.model.backend.name,
