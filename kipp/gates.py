@@ -75,11 +75,12 @@ BOUNDS: dict[str, dict[str, float]] = {
     },
 }
 # The Metal kernels, run here on the Metal emulator (tests/test_metal_kernels.py): measured vs
-# the reference 1.0e-10 (qwen3-tiny-untied q8_0, a 30-token prefill and 3 decode steps across a
-# block edge: `pytest -s tests/test_metal_kernels.py -k whole_model_on_emulated`), bound x10;
-# their sums are float32 like the twins', whose other bounds they are held to (the slow tests
-# there run transformers, cached decode and batched through them).
-BOUNDS["mlx-kernels"] = {**BOUNDS["mlx"], "reference": 1e-9}
+# the reference up to 9.44e-9 (qwen3-tiny-untied scale4_gs32; bf16 2.22e-9; a 40-token prefill
+# and 3 decode steps across a block edge: `pytest -m slow tests/test_metal_kernels.py -k
+# every_scheme_under_asan`, 2026-11-30), like the twins' 8.99e-9, so the twins' bound 8e-8
+# (x8.5); their sums are float32 like the twins', whose other bounds they are held to (the slow
+# tests there run transformers, cached decode and batched through them).
+BOUNDS["mlx-kernels"] = dict(BOUNDS["mlx"])
 # The Pallas kernels: DESIGN.md's bound between backends until tools/calibrate_gates.py runs on
 # a GPU, except against the reference, measured in interpret mode here: their dots take BF16
 # operands on tensor cores (issue 15), which the synthetic-v4 circuits amplify to 2.4e-4..3.8e-4
