@@ -49,7 +49,7 @@ def run(command: list[str], env: dict, timeout: float = 600) -> subprocess.Compl
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def serve_answers_health(kipp: str, env: dict) -> None:
+def assert_serves_health(kipp: str, env: dict) -> None:
     proc = subprocess.Popen([kipp, "serve", TINY, "--backend", "reference", "--port", "0",
                              "--kv-tokens", "256"], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -91,7 +91,7 @@ def test_the_base_install_runs_and_names_each_missing_extra(tmp_path, stocked_ho
 def test_the_server_extra_serves(tmp_path, stocked_home):
     env = clean_env(stocked_home)
     bin_dir = make_venv(tmp_path / "venv", "server", env)
-    serve_answers_health(str(bin_dir / "kipp"), env)
+    assert_serves_health(str(bin_dir / "kipp"), env)
 
 
 def test_the_jax_extra_runs_the_jax_backend(tmp_path, stocked_home):
@@ -120,4 +120,4 @@ def test_the_bench_set_up_of_bench_readme_works(tmp_path, stocked_home):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     peers = dict(line.split(None, 2)[:2] for line in done.stdout.splitlines() if line.strip())
     assert peers.get("llama_cpp") == "yes" and peers.get("transformers") == "yes", done.stdout
-    serve_answers_health(str(venv / "bin" / "kipp"), env)  # `bench server` needs kipp serve
+    assert_serves_health(str(venv / "bin" / "kipp"), env)  # `bench server` needs kipp serve

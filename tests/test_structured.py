@@ -222,7 +222,8 @@ def test_unconstrained_output_is_not_json(models):
         json.loads(text)
 
 
-def _schema_table(model, name):
+def assert_schema_table(model, name):
+    """Every generation of the table, greedy and sampled, validates and ends with "stop"."""
     schema = SCHEMAS[name]
     for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5),
                      dict(temperature=0.8, top_p=0.9, presence_penalty=1.0, seed=6)):
@@ -233,7 +234,7 @@ def _schema_table(model, name):
 
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_schema_table_jax_greedy_and_sampled(jax_model, name):
-    _schema_table(jax_model, name)
+    assert_schema_table(jax_model, name)
 
 
 @pytest.fixture(scope="module")
@@ -245,13 +246,13 @@ def mlx_model(artifacts):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_schema_table_mlx_greedy_and_sampled(mlx_model, name):
-    _schema_table(mlx_model, name)
+    assert_schema_table(mlx_model, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_schema_table_reference_greedy_and_sampled(models, name):
-    _schema_table(models(TINY), name)
+    assert_schema_table(models(TINY), name)
 
 
 def test_regex_and_lark_grammars(jax_model):
