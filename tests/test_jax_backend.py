@@ -7,6 +7,8 @@ and NMSE <= 1e-4 at every prefill and decode position; a scrambled block table b
 the identity table; batched mixed-length eval equal to isolated within the same bound.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -116,14 +118,11 @@ def test_rounds_split_long_items_and_rows(artifacts):
     assert {bucket.tokens for bucket, _ in narrow.compile_log} <= {16, 8, 4, 2, 1}
 
 
-def test_steady_state_decode_does_not_recompile(artifacts):
+@contextlib.contextmanager
+def compile_events():
+    """The JAX compile events recorded while the block runs (a list, filled in place)."""
     from jax import monitoring
 
-    _, jb = _backends(artifacts, TINY, "bf16")
-    table = (3, 1, 4)
-    [logits] = jb.eval([EvalItem(_tokens(5, 40), 0, table)])
-    [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), 40, table)])  # compiles decode
-    buckets = jb.buckets
     events = []
 
     def listener(event, duration, **kwargs):
@@ -132,10 +131,20 @@ def test_steady_state_decode_does_not_recompile(artifacts):
 
     monitoring.register_event_duration_secs_listener(listener)
     try:
-        for position in range(41, 64):  # same bucket: 2 blocks of 32 positions
-            [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), position, table)])
+        yield events
     finally:
         monitoring.unregister_event_duration_listener(listener)
+
+
+def test_steady_state_decode_does_not_recompile(artifacts):
+    _, jb = _backends(artifacts, TINY, "bf16")
+    table = (3, 1, 4)
+    [logits] = jb.eval([EvalItem(_tokens(5, 40), 0, table)])
+    [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), 40, table)])  # compiles decode
+    buckets = jb.buckets
+    with compile_events() as events:
+        for position in range(41, 64):  # same bucket: 2 blocks of 32 positions
+            [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), position, table)])
     assert events == [] and jb.buckets == buckets
     [logits] = jb.eval([EvalItem((1,), 64, table)])  # 3 blocks: the next bucket (B=4)
     assert len(jb.buckets) == len(buckets) + 1 and max(b.blocks for b in jb.buckets) == 4
@@ -145,25 +154,14 @@ def test_a_prefill_round_compiles_its_one_token_program(artifacts):
     """A repeated prompt adopts all but its last token (kipp.blocks' tails) and evaluates that
     one with the decode program of the prompt's block width: compiled with the prefill, so the
     cache hit never waits on a compile."""
-    from jax import monitoring
-
     from kipp.cuda.rounds import Bucket
 
     _, jb = _backends(artifacts, TINY, "bf16")
     table = (2, 0, 1)
     jb.eval([EvalItem(_tokens(6, 70), 0, table)])  # one round: T=128, B=4
     assert Bucket(1, 1, 1, 4, 1) in jb.buckets
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if "compile" in event:
-            events.append(event)
-
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as events:
         jb.eval([EvalItem(_tokens(6, 70)[-1:], 69, table)])  # the hit: the last token again
-    finally:
-        monitoring.unregister_event_duration_listener(listener)
     assert events == []
 
 
