@@ -217,16 +217,24 @@ class Artifact:
         file's pages and the copies are never resident together (peak RSS: the copies, not
         twice the artifact). The pages stay in the OS page cache and the mapping stays valid: a
         later read faults them back in. A no-op where madvise is missing."""
+        for t in tensors:
+            self.release_view(t.raw)
+
+    def release_view(self, view: np.ndarray) -> None:
+        """`release` for part of a tensor: the pages under `view`, a contiguous array viewing
+        the mapping (rows a backend has just copied). A no-op for any other array (a copy).
+        The first page may be shared with bytes before the view: dropping it is harmless, a
+        read-only mapping reads it back unchanged."""
         mapping = getattr(self.file.mapping, "_mmap", None)
         if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        base = self.file.mapping.ctypes.data
-        for t in tensors:
-            start = t.raw.ctypes.data - base
-            first = start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
-            stop = min(len(mapping), start + t.raw.nbytes)
-            if stop > first:  # a read-only file mapping: dropped pages read back unchanged
-                mapping.madvise(mmap.MADV_DONTNEED, first, stop - first)
+        start = view.ctypes.data - self.file.mapping.ctypes.data
+        if start < 0 or start >= len(mapping) or not view.flags.c_contiguous:
+            return
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
+        stop = min(len(mapping), start + view.nbytes)
+        if stop > first:
+            mapping.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
 def open_artifact(path) -> Artifact:

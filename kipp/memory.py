@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -73,3 +75,25 @@ def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int) -> We
                                        f"({budget / 2**30:.1f} GiB, half the available memory)")
     return WeightMemory("stored", f"auto: a {size} would exceed the budget "
                                   f"({budget / 2**30:.1f} GiB, half the available memory)")
+
+
+def trim_heap() -> None:
+    """Return the C heap's free memory to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    glibc keeps what a large, short-lived allocation freed (XLA's compiler scratch, numpy's
+    copies while weights are packed) in the process, counted in its resident set: measured at
+    the 0.6B shape on the JAX backend, ~65 MiB per compiled step. Backends call this after
+    loading and after each compile."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None

@@ -45,12 +45,14 @@ def test_choice(monkeypatch):
     assert 0 < memory.weight_budget() < memory.available_bytes()
 
 
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_release_drops_mapped_pages_and_keeps_the_data(artifacts):
-    def rss_file_kib():
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
-
+    rss_file_kib = _rss_file_kib
     artifact = open_artifact(artifacts(TINY, "bf16"))
     table = artifact.weights.token_embd  # 151,936 x 256 BF16: 74 MiB
     before = float(table.bf16()[::97].astype(np.float32).sum())
@@ -61,6 +63,32 @@ def test_release_drops_mapped_pages_and_keeps_the_data(artifacts):
     released = rss_file_kib()
     assert resident - released > 60 * 1024, (touched, resident, released)
     assert float(table.bf16()[::97].astype(np.float32).sum()) == before  # read back unchanged
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_mlx_head_pages_go_as_they_are_copied(artifacts):
+    """The stored twin of the head copies its rows chunk by chunk and releases each chunk's
+    mapped pages at once, so the file's copy of the head is never resident beside the twin's
+    (planted: no release, the whole 74 MiB head resident by the last chunk)."""
+    pytest.importorskip("mlx.core")
+    from kipp.apple import linear
+
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    head = artifact.weights.output  # tied: the 151,936 x 256 embedding, 74 MiB
+    artifact.release(head)
+    base = _rss_file_kib()
+    resident = []
+
+    def release(rows):
+        assert np.shares_memory(rows, head.raw)  # the mapping's own rows, not a copy
+        resident.append(_rss_file_kib() - base)  # this chunk still resident
+        artifact.release_view(rows)
+
+    twin = linear.prepare_twin([head], 2, True, release)
+    chunk_kib = linear.CHUNK_ELEMENTS * 2 // 1024  # BF16 rows per chunk
+    assert len(resident) >= 8 and max(resident) < 2 * chunk_kib, (resident, chunk_kib)
+    assert twin.rows == head.shape[0]
+    artifact.release_view(np.zeros(4096))  # not the mapping's: nothing to drop
 
 
 # ---- MLX ---------------------------------------------------------------------------------

@@ -89,6 +89,8 @@ class MLXBackend(Backend):
         slots = num_blocks * KV_BLOCK
         self.k_cache = KVSlab(entry.layers, slots, kv_scheme)
         self.v_cache = KVSlab(entry.layers, slots, kv_scheme)
+        mx.clear_cache()  # the packing's scratch buffers, freed: back to the OS
+        memory.trim_heap()
         log.info("%s (weights prepared in %.1f s)", self.describe(), time.perf_counter() - start)
 
     def _probe(self, fallback: bool, runner) -> probe.KernelReport:
@@ -231,8 +233,9 @@ def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool) -> 
                  for a in ([value] if isinstance(value, mx.array) else value.arrays())])
         artifact.release(*(getattr(layer, name) for name in PROJECTIONS))
         layers.append(params)
+    # the head is the largest tensor (the 0.6B's: 297 MiB): its rows' pages go as copied
     head = (linear.prepare(w.output, True) if kernels else
-            linear.prepare_twin([w.output], n_shards, stored))
+            linear.prepare_twin([w.output], n_shards, stored, artifact.release_view))
     weights = forward.Weights(layers, mx.array(w.output_norm.f32()), head)
     mx.eval(_arrays(weights))
     artifact.release(w.output)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -137,21 +138,25 @@ def prepare(t: Tensor, kernels: bool, n_shards: int = 1) -> Linear:
     return Linear(scheme.name, rows, cols, planes=planes)
 
 
-def prepare_twin(tensors: list[Tensor], n_shards: int = 1, stored: bool = False) -> Linear:
+def prepare_twin(tensors: list[Tensor], n_shards: int = 1, stored: bool = False,
+                 release: Callable[[np.ndarray], None] | None = None) -> Linear:
     """The twins' layout of `tensors` stacked by rows (one matmul for Q, K and V), split into
     `n_shards` row shards: float32 (BF16 widened, exact), BF16 as stored (`stored`), or the MLX
-    affine repack."""
+    affine repack. `release(rows)` (Artifact.release_view) is called on the rows of the
+    artifact's mapping as soon as they are copied."""
     fmt = _twin_format(tensors[0], stored)
     parts = [_twin_rows(t, fmt) for t in tensors]
     stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return twin_of(stacked, fmt, tensors[0].shape[1], n_shards)
+    return twin_of(stacked, fmt, tensors[0].shape[1], n_shards, release)
 
 
-def twin_of(rows: np.ndarray, fmt: str, cols: int, n_shards: int = 1) -> Linear:
+def twin_of(rows: np.ndarray, fmt: str, cols: int, n_shards: int = 1,
+            release: Callable[[np.ndarray], None] | None = None) -> Linear:
     """The twin Linear of W [len(rows), cols] given as float32 rows (fmt "f32"), BF16 rows
     (fmt "bf16", ml_dtypes) or a scheme's quantized row bytes [rows, row_bytes], its rows split
-    into `n_shards` shards."""
-    shards = tuple(_twin_shard(part, fmt, cols) for part in _split(rows, n_shards))
+    into `n_shards` shards; `release` as in prepare_twin."""
+    release = release or (lambda rows: None)
+    shards = tuple(_twin_shard(part, fmt, cols, release) for part in _split(rows, n_shards))
     return Linear(fmt, len(rows), cols, shards=shards)
 
 
@@ -190,19 +195,25 @@ def _byte_range(t: Tensor, lo: int, hi: int) -> slice:
     return slice(lo // BLOCK * block_bytes, hi // BLOCK * block_bytes)
 
 
-def _twin_shard(rows: np.ndarray, fmt: str, cols: int) -> tuple:
-    if fmt == "f32":
-        return (mx.array(np.ascontiguousarray(rows.T, np.float32)),)
+def _twin_shard(rows: np.ndarray, fmt: str, cols: int,
+                release: Callable[[np.ndarray], None]) -> tuple:
     if fmt == "bf16":
-        return (_transposed_bf16(rows),)
-    a = repack.to_affine(rows, fmt, cols)
-    return (mx.array(a.w), mx.array(a.scales), mx.array(a.biases))
+        return (_transposed_bf16(rows, release),)
+    if fmt == "f32":
+        shard = (mx.array(np.ascontiguousarray(rows.T, np.float32)),)
+    else:
+        a = repack.to_affine(rows, fmt, cols)
+        shard = (mx.array(a.w), mx.array(a.scales), mx.array(a.biases))
+    mx.eval(shard)
+    release(rows)
+    return shard
 
 
-def _transposed_bf16(rows: np.ndarray) -> mx.array:
-    """W^T [cols, n] BF16 from BF16 rows [n, cols], filled in place CHUNK_ELEMENTS at a time:
-    a whole transposed copy beside the array would double the shard at load (the 0.6B head:
-    311 MB more). The bits travel as uint16 (numpy's bfloat16 is not MLX's)."""
+def _transposed_bf16(rows: np.ndarray, release: Callable[[np.ndarray], None]) -> mx.array:
+    """W^T [cols, n] BF16 from BF16 rows [n, cols], filled in place CHUNK_ELEMENTS at a time,
+    each chunk's mapped rows released once copied: a whole transposed copy beside the array,
+    or the whole of the file's rows resident beside it, would double the shard at load (the
+    0.6B head: 297 MiB more). The bits travel as uint16 (numpy's bfloat16 is not MLX's)."""
     n, cols = rows.shape
     out = mx.zeros((cols, n), mx.bfloat16)
     step = max(1, CHUNK_ELEMENTS // cols)
@@ -210,6 +221,7 @@ def _transposed_bf16(rows: np.ndarray) -> mx.array:
         piece = np.ascontiguousarray(rows[r:r + step].T).view(np.uint16)
         out[:, r:r + step] = mx.array(piece).view(mx.bfloat16)
         mx.eval(out)  # the slab's buffer is reused: nothing else holds it
+        release(rows[r:r + step])
     return out
 
 

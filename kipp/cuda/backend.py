@@ -41,7 +41,7 @@ import numpy as np
 
 from kipp import kvquant, memory, probe
 from kipp.artifact import Artifact
-from kipp.backend import Backend, EvalItem
+from kipp.backend import Backend, EvalError, EvalItem
 from kipp.cuda import forward, layout, rounds, select
 from kipp.display import step_bar
 from kipp.errors import KippError
@@ -115,7 +115,10 @@ class JaxBackend(Backend):
             if platform != "cpu" or self.mesh is not None or not usable:
                 raise KippError(f"the panels weight layout needs Kipp's CPU matmul on one CPU "
                                 f"device ({why if not usable else platform})")
-        cos, sin = rope_tables(np.arange(self.entry.context_length), self.entry.rope_theta)
+        # positions a sequence reaches: every one holds a slot of the slab (40 MiB at the
+        # whole context; kipp.backend's check, and `check` below, keep positions inside)
+        self.rope_positions = min(self.entry.context_length, self.num_blocks * KV_BLOCK)
+        cos, sin = rope_tables(np.arange(self.rope_positions), self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
         # the CPU twins hold BF16 as uint16 bits (kipp.cuda.layout); kernels read BF16 itself
         bits = platform == "cpu" and self.layout == "device" and not self.choice.kernels
@@ -139,6 +142,7 @@ class JaxBackend(Backend):
         self._replicated = replicated
         self._signature = (self._ops(), _signature(self.params), _signature(self.kv),
                            _signature(self.rope))
+        memory.trim_heap()  # the host copies and the packing's scratch, freed: back to the OS
 
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
@@ -167,6 +171,13 @@ class JaxBackend(Backend):
     def weight_bytes(self) -> int:
         """Bytes of prepared weights on the device (what a decode step streams, plus KV)."""
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
+
+    def check(self, items: Sequence[EvalItem]) -> None:
+        super().check(items)
+        for item in items:  # the RoPE table covers the slab (a table repeating a block does not)
+            if item.end_position > self.rope_positions:
+                raise EvalError(f"position {item.end_position - 1} is past what the KV slab "
+                                f"holds ({self.rope_positions} tokens)")
 
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
@@ -246,6 +257,7 @@ class JaxBackend(Backend):
             program = step.lower(self.params, self.kv, self.rope,
                                  jax.device_put(arrays, self._replicated)).compile()
         seconds = time.perf_counter() - start
+        memory.trim_heap()  # the compiler's scratch, freed: back to the OS
         self.compile_log.append((bucket, seconds))
         log.info("compiled step %s in %.2f s (%s)", bucket, seconds, self.choice.label)
         return program
