@@ -155,14 +155,22 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
     the value on a device and returns what the tree holds), then its mapped pages are released
     (Artifact.release). So the host never holds more than one packed tensor beside what is
     placed, and the file's pages and the placed copies are not resident together. `bits`: BF16
-    tensors of the "device" layout as uint16 bit patterns (the CPU twins')."""
+    tensors of the "device" layout as uint16 bit patterns (the CPU twins').
+
+    "panels" (kipp.cuda.cpu_matmul): every projection and the output head as
+    Linear(pack(float32), fmt="f32p"); a tied checkpoint's embedding is the head's Linear itself
+    (looked up by cpu_matmul.rows), an untied one's stays a float32 [vocab, hidden]."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    if layout == "panels":  # built whole (kipp.cuda.cpu_matmul), placed as one tree
+    w = artifact.weights
+    if layout == "panels":
         from kipp.cuda import cpu_matmul
 
-        return place("panels", _panel_weights(artifact, cpu_matmul.pack))
-    w = artifact.weights
+        def projection(t):
+            return Linear(cpu_matmul.pack(t.f32()), fmt="f32p")
+    else:
+        def projection(t):
+            return pack_linear(t, layout, bits)
 
     def put(name, tensor, value):
         placed = jax.block_until_ready(place(name, value))  # copied before the pages go
@@ -170,40 +178,24 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
         return placed
 
     def table(t):
-        return t.f32() if layout == "f32" else _bf16(t, bits)
+        return t.f32() if layout in ("f32", "panels") else _bf16(t, bits)
 
-    tree = {"embed": put("embed", w.token_embd, table(w.token_embd)), "head": None}
+    if layout == "panels" and w.tied:  # the head's panels serve the embedding
+        tree = {"embed": put("embed", w.token_embd, projection(w.token_embd)), "head": None}
+    else:
+        tree = {"embed": put("embed", w.token_embd, table(w.token_embd)), "head": None}
     if not w.tied:
-        tree["head"] = put("head", w.output, table(w.output))
+        head = projection(w.output) if layout == "panels" else table(w.output)
+        tree["head"] = put("head", w.output, head)
     layers = []
     for layer in w.layers:
-        params = {name: put(name, getattr(layer, name),
-                            pack_linear(getattr(layer, name), layout, bits))
+        params = {name: put(name, getattr(layer, name), projection(getattr(layer, name)))
                   for name in PROJECTIONS}
         params.update({name: place(name, getattr(layer, name).f32()) for name in NORMS})
         layers.append(params)
     tree["output_norm"] = place("output_norm", w.output_norm.f32())
     tree["layers"] = layers
     return tree
-
-
-def _panel_weights(artifact: Artifact, pack: Callable) -> dict[str, Any]:
-    """prepare_weights' pytree in the "panels" layout: every projection and the output head as
-    Linear(pack(float32), fmt="f32p") (kipp.cuda.cpu_matmul's panels); a tied checkpoint's
-    embedding is the head's Linear itself (looked up by cpu_matmul.rows), an untied one's stays
-    a float32 [vocab, hidden]."""
-    w = artifact.weights
-    layers = []
-    for layer in w.layers:
-        params = {name: Linear(pack(getattr(layer, name).f32()), fmt="f32p")
-                  for name in PROJECTIONS}
-        params.update({name: getattr(layer, name).f32() for name in NORMS})
-        layers.append(params)
-    if w.tied:
-        embed, head = Linear(pack(w.token_embd.f32()), fmt="f32p"), None
-    else:
-        embed, head = w.token_embd.f32(), Linear(pack(w.output.f32()), fmt="f32p")
-    return {"embed": embed, "head": head, "output_norm": w.output_norm.f32(), "layers": layers}
 
 
 def float32_bytes(artifact: Artifact) -> int:
