@@ -152,9 +152,9 @@ def prepare_twin(tensors: list[Tensor], n_shards: int = 1, stored: bool = False,
 
 def twin_of(rows: np.ndarray, fmt: str, cols: int, n_shards: int = 1,
             release: Callable[[np.ndarray], None] | None = None) -> Linear:
-    """The twin Linear of W [len(rows), cols] given as float32 rows (fmt "f32"), BF16 rows
-    (fmt "bf16", ml_dtypes) or a scheme's quantized row bytes [rows, row_bytes], its rows split
-    into `n_shards` shards; `release` as in prepare_twin."""
+    """The twin Linear of W [len(rows), cols] given as float32 or BF16 (ml_dtypes) rows (fmt
+    "f32": held as float32; "bf16": held as BF16) or a scheme's quantized row bytes [rows,
+    row_bytes], its rows split into `n_shards` shards; `release` as in prepare_twin."""
     release = release or (lambda rows: None)
     shards = tuple(_twin_shard(part, fmt, cols, release) for part in _split(rows, n_shards))
     return Linear(fmt, len(rows), cols, shards=shards)
@@ -182,11 +182,12 @@ def _twin_format(t: Tensor, stored: bool = False) -> str:
 
 
 def _twin_rows(t: Tensor, fmt: str) -> np.ndarray:
-    """float32 or BF16 rows, or the quantized rows' bytes [rows, row_bytes] (sliced, never
-    widened)."""
-    if fmt == "f32":
+    """The rows as stored: BF16 (widened to float32 per chunk by _transposed, fmt "f32") or
+    float32, or the quantized rows' bytes [rows, row_bytes]; views of the mapping, never
+    copies."""
+    if fmt == "f32" and t.ggml_type == GGML_F32:
         return t.f32()
-    return t.bf16() if fmt == "bf16" else t.quantized_rows(0, t.shape[0])
+    return t.bf16() if fmt in ("f32", "bf16") else t.quantized_rows(0, t.shape[0])
 
 
 def _byte_range(t: Tensor, lo: int, hi: int) -> slice:
@@ -197,29 +198,32 @@ def _byte_range(t: Tensor, lo: int, hi: int) -> slice:
 
 def _twin_shard(rows: np.ndarray, fmt: str, cols: int,
                 release: Callable[[np.ndarray], None]) -> tuple:
-    if fmt == "bf16":
-        return (_transposed_bf16(rows, release),)
-    if fmt == "f32":
-        shard = (mx.array(np.ascontiguousarray(rows.T, np.float32)),)
-    else:
-        a = repack.to_affine(rows, fmt, cols)
-        shard = (mx.array(a.w), mx.array(a.scales), mx.array(a.biases))
+    if fmt in ("f32", "bf16"):
+        return (_transposed(rows, fmt, release),)
+    a = repack.to_affine(rows, fmt, cols)
+    shard = (mx.array(a.w), mx.array(a.scales), mx.array(a.biases))
     mx.eval(shard)
     release(rows)
     return shard
 
 
-def _transposed_bf16(rows: np.ndarray, release: Callable[[np.ndarray], None]) -> mx.array:
-    """W^T [cols, n] BF16 from BF16 rows [n, cols], filled in place CHUNK_ELEMENTS at a time,
-    each chunk's mapped rows released once copied: a whole transposed copy beside the array,
-    or the whole of the file's rows resident beside it, would double the shard at load (the
-    0.6B head: 297 MiB more). The bits travel as uint16 (numpy's bfloat16 is not MLX's)."""
+def _transposed(rows: np.ndarray, fmt: str, release: Callable[[np.ndarray], None]) -> mx.array:
+    """W^T [cols, n] from BF16 (or float32) rows [n, cols], as float32 (fmt "f32", widened
+    exactly) or BF16: filled in place CHUNK_ELEMENTS at a time, each chunk's mapped rows
+    released once copied. A whole transposed or widened copy beside the array, or the whole of
+    the file's rows resident beside it, would double the shard at load (the 0.6B head: 297 MiB
+    of BF16 rows, 594 MiB widened). BF16 bits travel as uint16 (numpy's bfloat16 is not
+    MLX's)."""
     n, cols = rows.shape
-    out = mx.zeros((cols, n), mx.bfloat16)
+    out = mx.zeros((cols, n), mx.float32 if fmt == "f32" else mx.bfloat16)
     step = max(1, CHUNK_ELEMENTS // cols)
     for r in range(0, n, step):
-        piece = np.ascontiguousarray(rows[r:r + step].T).view(np.uint16)
-        out[:, r:r + step] = mx.array(piece).view(mx.bfloat16)
+        if fmt == "f32":
+            piece = mx.array(np.ascontiguousarray(rows[r:r + step].T, np.float32))
+        else:
+            bits = np.ascontiguousarray(rows[r:r + step].T).view(np.uint16)
+            piece = mx.array(bits).view(mx.bfloat16)
+        out[:, r:r + step] = piece
         mx.eval(out)  # the slab's buffer is reused: nothing else holds it
         release(rows[r:r + step])
     return out
