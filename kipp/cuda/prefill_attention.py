@@ -36,6 +36,9 @@ from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 HIGHEST = jax.lax.Precision.HIGHEST
 SCALE = HEAD_DIM ** -0.5
 MASKED = -1e30  # a finite "minus infinity": fully masked padding rows stay finite
+# Decode rounds on the twin score every query head against every KV head's rows up to this many
+# scores (16 MiB of float32): see _one_query_all_pairs.
+ALL_PAIRS_MAX_SCORES = 1 << 22
 ROWS = 64  # query rows (queries x group heads) per prefill program
 
 
@@ -154,6 +157,8 @@ def paged_attention_reference(q: jax.Array, k_cache, v_cache, query_pos: jax.Arr
     positions = block_tables.shape[1] * KV_BLOCK
     keys = kv_rows(k_cache, block_tables).reshape(s, positions, KV_HEADS, d)
     values = kv_rows(v_cache, block_tables).reshape(s, positions, KV_HEADS, d)
+    if tq == 1 and s * h * positions * KV_HEADS <= ALL_PAIRS_MAX_SCORES:
+        return _one_query_all_pairs(q, keys, values, query_pos)
     qg = q.reshape(s, tq, KV_HEADS, h // KV_HEADS, d)
     scores = jnp.einsum("sqkgd,spkd->skgqp", qg, keys, precision=HIGHEST) * jnp.float32(SCALE)
     visible = jnp.arange(positions)[None, None, :] <= query_pos[:, :, None]  # [S, Tq, P]
@@ -163,3 +168,29 @@ def paged_attention_reference(q: jax.Array, k_cache, v_cache, query_pos: jax.Arr
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     out = jnp.einsum("skgqp,spkd->sqkgd", weights, values, precision=HIGHEST)
     return out.reshape(s, tq, h, d)
+
+
+def _one_query_all_pairs(q, keys, values, query_pos):
+    """paged_attention_reference for one query per sequence, without transposing the gathered
+    rows: the batched dots of the grouped form need keys and values as [S, KV head, P, 128],
+    and XLA's CPU builds that copy at ~2-2.6 GB/s (bench/README.md, batch scaling: ~4.6 ms a
+    layer for 8 sequences over 4 blocks, most of a batched decode step's growth with context).
+    Here every query head meets the rows of all 8 KV heads in the slab's own order [S, P * 8,
+    128], and a mask keeps each head's own KV head: 8x the products of a tiny dot, no copy.
+    q [S, 1, H, 128]; keys, values [S, P, 8, 128] f32 -> [S, 1, H, 128]."""
+    s, _, h, d = q.shape
+    positions = keys.shape[1]
+    rows = positions * KV_HEADS
+    scores = jnp.einsum("sxd,sjd->sxj", q.reshape(s, h, d), keys.reshape(s, rows, d),
+                        precision=HIGHEST) * jnp.float32(SCALE)  # [S, H, P * 8]
+    scores = scores.reshape(s, KV_HEADS, h // KV_HEADS, positions, KV_HEADS)
+    own = jnp.arange(KV_HEADS)[:, None] == jnp.arange(KV_HEADS)[None, :]  # [head's KV, row's]
+    visible = jnp.arange(positions)[None, :] <= query_pos  # [S, P]
+    keep = own[None, :, None, None, :] & visible[:, None, None, :, None]
+    scores = jnp.where(keep, scores, MASKED)
+    scores = scores - jnp.max(scores, axis=(3, 4), keepdims=True)
+    weights = jnp.exp(scores)  # masked: exp(-1e30 - max) is exactly 0
+    weights = weights / jnp.sum(weights, axis=(3, 4), keepdims=True)
+    out = jnp.einsum("sxj,sjd->sxd", weights.reshape(s, h, rows), values.reshape(s, rows, d),
+                     precision=HIGHEST)
+    return out.reshape(s, 1, h, d)
