@@ -163,6 +163,29 @@ def test_prefill_attention_kernel_vs_twin_vs_numpy(heads):
         np.testing.assert_allclose(twin[s, i], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [16, 40])
+def test_twin_one_query_per_sequence_matches_numpy(heads, monkeypatch):
+    """Decode rounds take the all-pairs form (every query head against all KV heads' rows,
+    the other heads masked): it must equal numpy's attention per sequence and the grouped form
+    it replaces (planted: the own-head mask dropped, every row off by ~1e-1)."""
+    from kipp.cuda import prefill_attention as pa
+
+    rng = np.random.default_rng(11)
+    k, v = _slab(rng, 16)
+    q = rng.standard_normal((4, 1, heads, 128)).astype(np.float32)
+    pos = np.array([[70], [0], [127], [-1]], np.int32)  # the last row is padding
+    tables = _tables(rng, 4, 4, 16)
+    args = [jnp.asarray(a) for a in (q, k, v, pos, tables)]
+    pairs = np.asarray(paged_attention_reference(*args))
+    for s in range(3):
+        want = _numpy_attention(q[s, 0], k, v, pos[s, 0], tables[s])
+        np.testing.assert_allclose(pairs[s, 0], want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(pairs))  # the padding row too
+    monkeypatch.setattr(pa, "ALL_PAIRS_MAX_SCORES", 0)  # the grouped form
+    grouped = np.asarray(paged_attention_reference(*args))
+    np.testing.assert_allclose(pairs[:3], grouped[:3], rtol=1e-6, atol=1e-6)
+
+
 def test_twin_reads_the_uint16_slab_bitwise_like_bf16():
     """The CPU stores the slab as BF16 bit patterns (uint16); the twin must not care."""
     rng = np.random.default_rng(7)
