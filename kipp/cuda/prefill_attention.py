@@ -173,8 +173,9 @@ def paged_attention_reference(q: jax.Array, k_cache, v_cache, query_pos: jax.Arr
 def _one_query_all_pairs(q, keys, values, query_pos):
     """paged_attention_reference for one query per sequence, without transposing the gathered
     rows: the batched dots of the grouped form need keys and values as [S, KV head, P, 128],
-    and XLA's CPU builds that copy at ~2-2.6 GB/s (bench/README.md, batch scaling: ~4.6 ms a
-    layer for 8 sequences over 4 blocks, most of a batched decode step's growth with context).
+    and the fusion that gathers, widens and transposes them on XLA's CPU was most of a batched
+    decode step's growth with context (bench/README.md, batch scaling: ~4.6 ms a layer for 8
+    sequences over 4 blocks).
     Here every query head meets the rows of all 8 KV heads in the slab's own order [S, P * 8,
     128], and a mask keeps each head's own KV head: 8x the products of a tiny dot, no copy.
     q [S, 1, H, 128]; keys, values [S, P, 8, 128] f32 -> [S, 1, H, 128]."""
