@@ -104,6 +104,9 @@ class Backend(ABC):
             if item.end_position > self._context_length:
                 raise EvalError(f"position {item.end_position - 1} is past the context length "
                                 f"{self._context_length}")
+            if item.end_position > self._num_blocks * KV_BLOCK:  # a table repeating a block
+                raise EvalError(f"position {item.end_position - 1} is past what the KV slab "
+                                f"holds ({self._num_blocks * KV_BLOCK} tokens)")
             used = item.block_table[: -(-item.end_position // KV_BLOCK)]
             bad = [b for b in used if not 0 <= b < self._num_blocks]
             if bad:

@@ -173,10 +173,12 @@ def test_bad_items_are_rejected_before_any_work(artifacts):
         jb.eval([EvalItem((151_936,), 0, (0,))])
     # the RoPE table covers the slab's positions: a block table that repeats a block reaches
     # past them, and would read a clamped row of the table instead of failing
-    small = JaxBackend(open_artifact(artifacts(TINY, "bf16")), 2)
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    small = JaxBackend(artifact, 2)
     assert small.rope_positions == 64
-    with pytest.raises(EvalError, match="position 70 is past what the KV slab holds"):
-        small.eval([EvalItem((1,), 70, (0, 1, 0))])
+    for backend in (small, ReferenceBackend(artifact, 2)):  # Backend.check, for every backend
+        with pytest.raises(EvalError, match="position 70 is past what the KV slab holds"):
+            backend.eval([EvalItem((1,), 70, (0, 1, 0))])
 
 
 def test_path_selection_and_twins_switch(monkeypatch):

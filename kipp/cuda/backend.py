@@ -41,7 +41,7 @@ import numpy as np
 
 from kipp import kvquant, memory, probe
 from kipp.artifact import Artifact
-from kipp.backend import Backend, EvalError, EvalItem
+from kipp.backend import Backend, EvalItem
 from kipp.cuda import forward, layout, rounds, select
 from kipp.display import step_bar
 from kipp.errors import KippError
@@ -115,8 +115,8 @@ class JaxBackend(Backend):
             if platform != "cpu" or self.mesh is not None or not usable:
                 raise KippError(f"the panels weight layout needs Kipp's CPU matmul on one CPU "
                                 f"device ({why if not usable else platform})")
-        # positions a sequence reaches: every one holds a slot of the slab (40 MiB at the
-        # whole context; kipp.backend's check, and `check` below, keep positions inside)
+        # positions a sequence reaches: every one holds a slot of the slab (the whole context's
+        # table is 40 MiB; Backend.check keeps positions inside the slab)
         self.rope_positions = min(self.entry.context_length, self.num_blocks * KV_BLOCK)
         cos, sin = rope_tables(np.arange(self.rope_positions), self.entry.rope_theta)
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
@@ -171,13 +171,6 @@ class JaxBackend(Backend):
     def weight_bytes(self) -> int:
         """Bytes of prepared weights on the device (what a decode step streams, plus KV)."""
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
-
-    def check(self, items: Sequence[EvalItem]) -> None:
-        super().check(items)
-        for item in items:  # the RoPE table covers the slab (a table repeating a block does not)
-            if item.end_position > self.rope_positions:
-                raise EvalError(f"position {item.end_position - 1} is past what the KV slab "
-                                f"holds ({self.rope_positions} tokens)")
 
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
