@@ -177,16 +177,16 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
         artifact.release(tensor)
         return placed
 
-    def table(t):
+    def table(t):  # an embedding looked up by rows
         return t.f32() if layout in ("f32", "panels") else _bf16(t, bits)
 
-    if layout == "panels" and w.tied:  # the head's panels serve the embedding
-        tree = {"embed": put("embed", w.token_embd, projection(w.token_embd)), "head": None}
-    else:
-        tree = {"embed": put("embed", w.token_embd, table(w.token_embd)), "head": None}
+    def head(t):  # the output head (a tied embedding too): the panels layout multiplies panels
+        return projection(t) if layout == "panels" else table(t)
+
+    embed = head(w.token_embd) if w.tied else table(w.token_embd)
+    tree = {"embed": put("embed", w.token_embd, embed), "head": None}
     if not w.tied:
-        head = projection(w.output) if layout == "panels" else table(w.output)
-        tree["head"] = put("head", w.output, head)
+        tree["head"] = put("head", w.output, head(w.output))
     layers = []
     for layer in w.layers:
         params = {name: put(name, getattr(layer, name), projection(getattr(layer, name)))
