@@ -158,20 +158,14 @@ class Roles:
     def structured_heads(self, first: bool) -> set[int]:
         return {0, 1, self.group} if first else {0}
 
-    def structured_kv(self, first: bool) -> set[int]:
-        return {0, 1} if first else {0}
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    import hashlib
-
-    words = np.frombuffer(hashlib.sha256(name.encode()).digest()[:16], dtype="<u4")
-    return np.random.default_rng(np.random.SeedSequence([seed, *words.tolist()]))
-
 
 def rng(entry: Checkpoint, name: str) -> np.random.Generator:
     """The (seed, name) random stream of a synthetic entry."""
-    return _rng(entry.synthetic.seed, name)
+    import hashlib
+
+    words = np.frombuffer(hashlib.sha256(name.encode()).digest()[:16], dtype="<u4")
+    return np.random.default_rng(np.random.SeedSequence([entry.synthetic.seed,
+                                                         *words.tolist()]))
 
 
 @lru_cache(maxsize=1)
@@ -182,7 +176,7 @@ def _vocab() -> dict[str, int]:
 
 
 @lru_cache(maxsize=1)
-def live_token_ids_cached() -> np.ndarray:
+def _live_token_ids() -> np.ndarray:
     import re
 
     vocab = _vocab()
@@ -195,7 +189,7 @@ def live_token_ids_cached() -> np.ndarray:
 def live_token_ids(entry: Checkpoint | None = None) -> np.ndarray:
     """The N_LIVE live tokens: the most frequent lower-case words (BPE ids follow merge
     order) and common punctuation, so greedy text reads as words. Same for every entry."""
-    return live_token_ids_cached()
+    return _live_token_ids()
 
 
 def successor(entry: Checkpoint) -> np.ndarray:
@@ -217,12 +211,15 @@ def fallback_successor(entry: Checkpoint) -> np.ndarray:
     return out
 
 
+@lru_cache(maxsize=None)
 def token_clusters(entry: Checkpoint, matrix: str = "model.embed_tokens.weight") -> np.ndarray:
-    """The cluster of every row of token matrix `matrix` (used by non-live, non-padding rows)."""
+    """The cluster of every row of token matrix `matrix` (used by non-live, non-padding rows);
+    drawn once per matrix (its rows are made a chunk at a time)."""
     from kipp.registry import VOCAB_SIZE
 
-    return rng(entry, matrix + "/clusters").integers(0, Dims(entry.hidden).clusters,
-                                                      VOCAB_SIZE)
+    out = rng(entry, matrix + "/clusters").integers(0, Dims(entry.hidden).clusters, VOCAB_SIZE)
+    out.flags.writeable = False
+    return out
 
 
 def cluster_fallback(entry: Checkpoint) -> np.ndarray:
@@ -287,12 +284,15 @@ def hadamard(n: int) -> np.ndarray:
     return h
 
 
+@lru_cache(maxsize=None)
 def live_codes(entry: Checkpoint, name: str) -> np.ndarray:
     """[N_LIVE, N_LIVE] +-1 codes of the live tokens in a token matrix: Hadamard rows with
     seeded row order and column signs (still exactly orthogonal)."""
     r = rng(entry, name + "/codes")
     h = hadamard(N_LIVE)[r.permutation(N_LIVE)]
-    return h * r.choice([-1.0, 1.0], N_LIVE)[None, :]
+    out = h * r.choice([-1.0, 1.0], N_LIVE)[None, :]
+    out.flags.writeable = False
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -370,10 +370,10 @@ def _with_dump(v: np.ndarray, pair: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=None)
-def _silu_square_mean(tau: float, mean: float = 0.0) -> float:
-    """E[silu(g)^2] for g ~ N(mean, tau^2), by Gauss-Hermite quadrature."""
+def _silu_square_mean(tau: float) -> float:
+    """E[silu(g)^2] for g ~ N(0, tau^2), by Gauss-Hermite quadrature."""
     z, w = np.polynomial.hermite_e.hermegauss(64)
-    g = mean + tau * z
+    g = tau * z
     return float(np.sum(w * (g / (1 + np.exp(-g))) ** 2) / math.sqrt(2 * math.pi))
 
 
@@ -399,7 +399,6 @@ class Scales:
 def scales(entry: Checkpoint) -> Scales:
     """The circuit's magnitudes for `entry` (derivations beside each line)."""
     d, n = entry.hidden, N_LIVE
-    dims = Dims(d)
     token = token_norm(entry)
     e_bias, e_tok = (BIAS_RATIO * token) ** 2, token ** 2
     e_ch, e_sigma = (CHANNEL * token) ** 2, (SIGMA_CHANNEL * token) ** 2
@@ -557,15 +556,20 @@ def _positional(entry: Checkpoint, layer: int):
     return out
 
 
+def _random_part(entry: Checkpoint, name: str, shape, write_std: float | None) -> np.ndarray:
+    """A projection's random part: a write into NOISE only (o_proj, down_proj: `write_std`), or
+    a read of N(0, init_std^2) weights (the others: `write_std` None)."""
+    if write_std is not None:
+        return _random_write(entry, name, shape, write_std)
+    return _gaussian(entry, name, shape, entry.synthetic.init_std)
+
+
 def attention_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
     """q/k/v/o_proj of a layer, float32: random, with the circuit's heads in the first and
     last layer (module docstring)."""
     layer = _layer_of(name)
     first, last = layer == 0, layer == entry.layers - 1
-    if kind == "o":
-        out = _random_write(entry, name, shape, scales(entry).attention_write)
-    else:
-        out = _gaussian(entry, name, shape, entry.synthetic.init_std)
+    out = _random_part(entry, name, shape, scales(entry).attention_write if kind == "o" else None)
     if not (first or last):
         return out
     dims, s = Dims(entry.hidden), scales(entry)
@@ -628,10 +632,7 @@ def mlp_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
     units in the first (SWITCH x PREV -> SIGMA) and last (AND pairs, fallbacks) layer."""
     layer = _layer_of(name)
     first, last = layer == 0, layer == entry.layers - 1
-    if kind == "down":
-        out = _random_write(entry, name, shape, scales(entry).mlp_write)
-    else:
-        out = _gaussian(entry, name, shape, entry.synthetic.init_std)
+    out = _random_part(entry, name, shape, scales(entry).mlp_write if kind == "down" else None)
     if first:
         _first_mlp(entry, out, kind)
     elif last:
