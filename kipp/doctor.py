@@ -153,11 +153,7 @@ def run_gates(artifact, chosen, source=None) -> list[gates.GateResult]:
     results = []
     model = Model(artifact, chosen)
     if chosen.name != "reference":
-        oracle = open_backend("reference", artifact, GATE_BLOCKS)
-        tokens = np.random.default_rng(0).integers(0, 151_643, 40)
-        table = np.random.default_rng(1).permutation(GATE_BLOCKS)[:3]
-        results.append(gates.gate_backends(oracle, chosen, tokens, table, logits_rows=4,
-                                           decode_steps=4))
+        results.append(gates.gate_vs_reference(model))
     results.append(_transformers_gate(model, source))
     counting = GATE_PROMPTS[min(2, len(GATE_PROMPTS) - 1)]  # `kipp gates`' scrambled prompt
     results += [gates.gate_cached_decode(model, GATE_PROMPTS[0]),

@@ -35,6 +35,7 @@ are in the comments beside BOUNDS (KIPP_HOME on this machine, 2 CPU cores, synth
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -164,13 +165,12 @@ def _compare(name, got, want, limit, detail="") -> GateResult:
     worst = max(nmse(g, w) for g, w in zip(got, want))
     differ, ties = argmax_check(got, want)
     exact = limit == 0.0
-    passed = differ == ties and (np.array_equal(got.view(np.uint32), want.view(np.uint32))
-                                 if exact else worst <= limit)
+    bits = int(np.sum(got.view(np.uint32) != want.view(np.uint32))) if exact else 0
+    passed = differ == ties and (bits == 0 if exact else worst <= limit)
     note = f"{detail} argmax identical at {len(want) - differ}/{len(want)}"
     if differ:
         note += f" ({ties} of {differ} others are near-ties within the measured error)"
     if exact:
-        bits = int(np.sum(got.view(np.uint32) != want.view(np.uint32)))
         note += f"; {bits} of {got.size} floats differ bitwise"
     return GateResult(name, passed, worst, limit, note.strip(), "worst-row NMSE")
 
@@ -258,7 +258,7 @@ def gate_designed(model, steps: int = DESIGNED_STEPS) -> GateResult:
 
 
 def _is_projection(name: str) -> bool:
-    return name.endswith(("_proj.weight",)) and ".layers." in name
+    return name.endswith("_proj.weight") and ".layers." in name
 
 
 def transformers_model(source_dir, scheme: str = "bf16"):
@@ -441,11 +441,6 @@ def quality_report(model, bf16_model, steps: int = QUALITY_STEPS) -> GateResult:
                       gating=False)
 
 
-def gate_quantized(model, bf16_model, steps: int = QUALITY_STEPS) -> GateResult:
-    """The quality report (kept under its old name)."""
-    return quality_report(model, bf16_model, steps)
-
-
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
     """KL(p || q) per row, in nats, from logits."""
     p = _log_softmax(np.asarray(p_logits, np.float64))
@@ -511,12 +506,12 @@ def gate_backends(oracle, backend, tokens: Sequence[int], table: Sequence[int],
 def run_gates(model, source_dir, bf16_model=None) -> list[GateResult]:
     """Every gate for `model` (an artifact on a backend) against the HF folder `source_dir`;
     `bf16_model` (the BF16 artifact of the same source) adds the quality report."""
-    hf = gate_transformers(model, source_dir, limit=_kv_limit(model))
+    hf = gate_transformers(model, source_dir)
     if model.backend.kv_scheme != "bf16":  # transformers keeps float32 K/V: nothing to hold
-        hf = GateResult(hf.name, True, hf.metric, float("nan"),
-                        f"{model.backend.kv_scheme} KV, transformers float32 K/V: a report; "
-                        f"the backend vs reference gate holds it; {hf.detail}", hf.measure,
-                        gating=False)
+        hf = dataclasses.replace(
+            hf, passed=True, bound=float("nan"), gating=False,
+            detail=f"{model.backend.kv_scheme} KV, transformers float32 K/V: a report; the "
+                   f"backend vs reference gate holds it; {hf.detail}")
     results = [gate_source(model.artifact, source_dir), hf]
     if model.entry.is_synthetic:
         results.append(gate_designed(model))
@@ -527,10 +522,6 @@ def run_gates(model, source_dir, bf16_model=None) -> list[GateResult]:
         results.append(quality_report(model, bf16_model))
     return results
 
-
-def _kv_limit(model) -> float:
-    kv = model.backend.kv_scheme
-    return calibrated_bound(model.backend, "transformers") if kv == "bf16" else float("inf")
 
 
 def format_table(results: Sequence[GateResult]) -> str:

@@ -4,6 +4,7 @@ that no longer matches the artifact fails it."""
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -57,6 +58,12 @@ def test_bounds_are_calibrated_per_backend():
     assert gates.calibrated_bound("jax", "reference") > 0.0
     with pytest.raises(KeyError, match="no calibrated"):
         gates.calibrated_bound("reference", "nope")
+    # a Backend object finds its row by name, and the kernel path by its own "-kernels" row
+    twins = SimpleNamespace(name="jax", choice=SimpleNamespace(kernels=False))
+    kernels = SimpleNamespace(name="jax", choice=SimpleNamespace(kernels=True))
+    assert gates.bound_key(twins) == "jax" and gates.bound_key(kernels) == "jax-kernels"
+    assert gates.calibrated_bound(kernels, "reference") == gates.BOUNDS["jax-kernels"]["reference"]
+    assert gates.bound_key(SimpleNamespace(name="reference")) == "reference"
 
 
 def test_gates_fail_when_the_source_is_perturbed(artifacts, synthetic_dir, tmp_path, capsys):

@@ -71,8 +71,7 @@ def catalogue() -> list[Fault]:
     """Every registered fault, after importing every module of this package."""
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
-    return sorted(_REGISTRY.values(), key=lambda f: (FAMILIES.index(f.family)
-                                                      if f.family in FAMILIES else 99, f.name))
+    return sorted(_REGISTRY.values(), key=lambda f: (FAMILIES.index(f.family), f.name))
 
 
 def get(name: str) -> Fault:
