@@ -2,8 +2,8 @@
 strings, some of them leaving early. Run twice on one server: once with every stop string short,
 once with one client's stop string 100 kB long. The long stop string must not slow the others
 (the hold-back check once cost the square of its length per token, on the engine thread): every
-stream's inter-token gaps stay under twice those of the same stream without it, and everything
-ends with the metrics back to zero.
+stream's longest and median inter-token gaps stay under three times the longest and the slowest
+median without it, and everything ends with the metrics back to zero.
 """
 
 import http.client
@@ -123,8 +123,12 @@ def test_a_long_stop_string_does_not_slow_other_streams_and_nothing_leaks(artifa
     # A stream's gaps depend on which requests share its steps, and that differs between two
     # runs of 64 clients (by up to ~2.5x between streams here, on a loaded machine). So each
     # stream is held to what the streams had without the long stop string: its longest gap to
-    # twice the longest gap, its median to twice the slowest stream's median; and over all
-    # streams the median of their median-gap ratios shows any general slowdown.
+    # three times the longest gap, its median to three times the slowest stream's median; and
+    # over all streams the median of their median-gap ratios, under 2, shows any general
+    # slowdown. On correct builds, 2-core machines: longest gap up to x2.13 (CI), slowest median
+    # up to x1.74, median ratio 0.82-1.54 (seven runs). A hold-back check with a prefix copy per
+    # stop-string length (planted) made the gaps of the streams sharing steps with it 0.33-0.38 s:
+    # longest gap x3.4 and x4.7 (two runs), slowest median x7.2 (the median ratio stayed 0.93).
     longest = max(max(a) for a, _ in streams.values())
     slowest = max(statistics.median(a) for a, _ in streams.values())
     ratios = sorted(statistics.median(b) / statistics.median(a) for a, b in streams.values())
@@ -135,6 +139,6 @@ def test_a_long_stop_string_does_not_slow_other_streams_and_nothing_leaks(artifa
           f"median-gap ratios: median {statistics.median(ratios):.2f}, max {ratios[-1]:.2f}")
     assert len(streams) > 30
     for i, (_, b) in streams.items():
-        assert max(b) < 2 * longest, f"stream {i}: a gap of {max(b):.2f} s"
-        assert statistics.median(b) < 2 * slowest, f"stream {i}: median gap {statistics.median(b)}"
-    assert statistics.median(ratios) < 1.5
+        assert max(b) < 3 * longest, f"stream {i}: a gap of {max(b):.2f} s"
+        assert statistics.median(b) < 3 * slowest, f"stream {i}: median gap {statistics.median(b)}"
+    assert statistics.median(ratios) < 2
