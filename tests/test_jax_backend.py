@@ -8,6 +8,7 @@ the identity table; batched mixed-length eval equal to isolated within the same 
 """
 
 import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -65,6 +66,39 @@ def test_packed_layout_twins_match_reference(artifacts, scheme):
     ref, jb = _backends(artifacts, UNTIED, scheme, path="twins", weight_layout="device")
     assert "device weights" in jb.describe()
     _gate(ref, jb, prompt_len=20, decode_steps=2)
+
+
+@pytest.mark.parametrize("kv_scheme", ["bf16", "q8_0"])
+def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, kv_scheme):
+    """The CPU twins' stored layout stacks the layers and scans one layer's code over them
+    (kipp.cuda.forward.step); the same weights and slab split into per-layer arrays, through the
+    unrolled step, give bitwise the same logits and slab, for a round mixing a prefill chunk and
+    a decode row over a slab that already holds KV."""
+    from kipp.cuda import forward, rounds
+
+    _, jb = _backends(artifacts, UNTIED, "q8_0", path="twins", weight_memory="stored",
+                      kv_scheme=kv_scheme)
+    assert jb.stacked and isinstance(jb.params["layers"], dict)
+    jb.eval([EvalItem(_tokens(3, 40), 0, (4, 2))])  # KV for the decode row below
+    items = [EvalItem(_tokens(4, 9), 0, (7,), 9), EvalItem((5,), 40, (4, 2))]
+    bucket, arrays, _ = rounds.pack_round(items, rounds.plan_rounds(items, 64)[0], BLOCKS)
+    layers = jb.entry.layers
+    per_layer = dict(jb.params, layers=[jax.tree.map(lambda a: a[i], jb.params["layers"])
+                                        for i in range(layers)])
+    k_all, v_all = jax.tree.map(np.asarray, jb.kv)
+    kv = tuple((jax.tree.map(lambda a: jax.numpy.asarray(a[i]), k_all),
+                jax.tree.map(lambda a: jax.numpy.asarray(a[i]), v_all)) for i in range(layers))
+    step = jax.jit(functools.partial(forward.step, ops=jb._ops()))  # as the backend compiles it
+    scanned, (k_new, v_new) = step(jb.params, jb.kv, jb.rope, arrays)
+    unrolled, kv_new = step(per_layer, kv, jb.rope, arrays)
+    assert np.array_equal(np.asarray(scanned).view(np.uint32),
+                          np.asarray(unrolled).view(np.uint32))
+    for i, (k, v) in enumerate(kv_new):
+        for stacked, own in ((k_new, k), (v_new, v)):
+            for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(own)):
+                assert np.array_equal(np.asarray(a[i]), np.asarray(b)), f"layer {i}'s slab"
+    # and the round changed the slab: this compares written KV, not zeros
+    assert not np.array_equal(np.asarray(jax.tree.leaves(k_new)[0]), jax.tree.leaves(k_all)[0])
 
 
 def test_kernels_in_interpret_mode_match_reference(artifacts):

@@ -122,6 +122,8 @@ class JaxBackend(Backend):
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
         # the CPU twins hold BF16 as uint16 bits (kipp.cuda.layout); kernels read BF16 itself
         bits = platform == "cpu" and self.layout == "device" and not self.choice.kernels
+        # and their stored layout stacks the layers for a scanned step (kipp.cuda.layout)
+        self.stacked = bits and self.mesh is None
         if self.mesh is not None:
             from kipp.cuda import sharding
 
@@ -131,12 +133,19 @@ class JaxBackend(Backend):
                 bits)
             kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
         else:
+            stacks = layout.PROJECTIONS + layout.NORMS if self.stacked else ()
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-                layout.to_device(value, self.device)), bits)
+                layout.to_device(value, self.device, may_alias=name in stacks)), bits,
+                self.stacked)  # a layer stack is a fresh host array: placed without a copy
             kv_sharding = replicated = self.device
+        if self.stacked:
+            shape = (self.entry.layers,) + shape
         zeros = jax.jit(lambda: layout.kv_zeros(shape, self.kv_scheme, platform),
                         out_shardings=_as_sharding(kv_sharding))
-        self._kv_zeros = lambda: tuple((zeros(), zeros()) for _ in range(self.entry.layers))
+        if self.stacked:
+            self._kv_zeros = lambda: (zeros(), zeros())
+        else:
+            self._kv_zeros = lambda: tuple((zeros(), zeros()) for _ in range(self.entry.layers))
         self.kv = self._kv_zeros()
         self.rope = jax.device_put((cos, sin), replicated)
         self._replicated = replicated

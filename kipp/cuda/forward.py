@@ -12,7 +12,10 @@ run Kipp's CPU matmul (kipp.cuda.cpu_matmul) whatever the path. The KV slab is a
 per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU,
 whose BF16 scatter widens the whole buffer to float32 and back), or with the q8_0 KV scheme a
 `layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated to the step so XLA updates
-it in place.
+it in place. When the parameters' "layers" are stacked (a dict of `[layers, ...]` arrays: the
+CPU twins' stored layout, kipp.cuda.layout) the slab is one stacked (K, V) pair
+`[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one layer over the stacks, the
+slab carried through it and written in place.
 """
 
 from __future__ import annotations
@@ -50,13 +53,16 @@ class Ops:
             return matmul_mod.quant_matmul(x, w, interpret=self.interpret)
         return twin_matmul.linear(x, w)  # quant_matmul_reference, widening chunk by chunk
 
-    def attention(self, q, k_cache, v_cache, r: RoundArrays) -> jax.Array:
-        """q [S, Tq, H, 128] -> [S, Tq, H, 128] over the paged slab."""
+    def attention(self, q, k_cache, v_cache, r: RoundArrays, layer=None) -> jax.Array:
+        """q [S, Tq, H, 128] -> [S, Tq, H, 128] over the paged slab (layer `layer` of a
+        stacked one: the twins only)."""
         kind = "decode_attention" if q.shape[1] == 1 else "prefill_attention"
         kv = "q8_0" if isinstance(k_cache, QuantizedKV) else "bf16"
         if not self.kernels or f"{kind}/{kv}" in self.twins:
             return prefill_mod.paged_attention_reference(q, k_cache, v_cache, r.query_pos,
-                                                         r.block_tables)
+                                                         r.block_tables, layer)
+        if layer is not None:
+            raise ValueError("the attention kernels take one layer's slab, not a stacked one")
         if q.shape[1] == 1:  # a decode-only round
             out = decode_mod.decode_attention(q[:, 0], k_cache, v_cache, r.query_pos[:, 0] + 1,
                                               r.block_tables, interpret=self.interpret)
@@ -87,12 +93,25 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
     """One round: (logits [R, vocab] float32, the updated KV slab)."""
     x = _embed(params["embed"], r.tokens)  # [T, hidden]
     cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
-    new_kv = []
-    for layer, (k_cache, v_cache) in zip(params["layers"], kv):
-        x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops)
-        new_kv.append((k_cache, v_cache))
+    if isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
+        layers = params["layers"]
+
+        def body(carry, i):
+            x, k_cache, v_cache = carry
+            p = jax.tree.map(lambda a: a[i], layers)
+            return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i), None
+
+        count = jax.tree.leaves(layers)[0].shape[0]
+        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, *kv), jnp.arange(count))
+        new_kv = (k_cache, v_cache)
+    else:
+        new_kv = []
+        for layer, (k_cache, v_cache) in zip(params["layers"], kv):
+            x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops)
+            new_kv.append((k_cache, v_cache))
+        new_kv = tuple(new_kv)
     h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
-    return ops.linear(h, _head(params), head=True), tuple(new_kv)
+    return ops.linear(h, _head(params), head=True), new_kv
 
 
 def _embed(table, tokens: jax.Array) -> jax.Array:
@@ -110,7 +129,9 @@ def _head(params) -> Linear:
     return Linear(head, fmt=fmt)
 
 
-def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops):
+def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=None):
+    """One layer; `layer`: its index into stacked slabs (the scanned step), else the slabs are
+    this layer's own."""
     t = x.shape[0]
     h = rms_norm(x, p["attn_norm"])                                        # (1)
     q = ops.linear(h, p["q"]).reshape(t, -1, HEAD_DIM)                      # (2) [T, H, 128]
@@ -118,10 +139,10 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops):
     v = ops.linear(h, p["v"]).reshape(t, KV_HEADS, HEAD_DIM)
     q = apply_rope(rms_norm(q, p["q_norm"]), cos, sin)                      # (3), (4)
     k = apply_rope(rms_norm(k, p["k_norm"]), cos, sin)
-    k_cache = store_kv(k_cache, k, r.slots)                                 # (5)
-    v_cache = store_kv(v_cache, v, r.slots)
+    k_cache = store_kv(k_cache, k, r.slots, layer)                          # (5)
+    v_cache = store_kv(v_cache, v, r.slots, layer)
     grouped = q[r.query_index]                                              # [S, Tq, H, 128]
-    attn = ops.attention(grouped, k_cache, v_cache, r)
+    attn = ops.attention(grouped, k_cache, v_cache, r, layer)
     attn = attn.reshape(-1, q.shape[1] * HEAD_DIM)[r.token_query]           # [T, H * 128]
     x = x + ops.linear(attn, p["o"])                                        # (6)
     h = rms_norm(x, p["ffn_norm"])                                          # (7)

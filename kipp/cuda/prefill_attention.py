@@ -146,17 +146,17 @@ def prefill_attention(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
 
 
 def paged_attention_reference(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
-                              block_tables: jax.Array) -> jax.Array:
+                              block_tables: jax.Array, layer=None) -> jax.Array:
     """The jax.numpy twin: gather each sequence's blocks, mask causally, softmax, weigh V.
 
     q [S, Tq, H, 128] f32; caches [blocks, 32, 8, 128] BF16 (or its uint16 bits), or
-    QuantizedKV planes; query_pos [S, Tq] (-1: padding); block_tables [S, B]
-    -> [S, Tq, H, 128] f32.
+    QuantizedKV planes (with `layer`: stacked [layers, blocks, ...], read at that layer);
+    query_pos [S, Tq] (-1: padding); block_tables [S, B] -> [S, Tq, H, 128] f32.
     """
     s, tq, h, d = q.shape
     positions = block_tables.shape[1] * KV_BLOCK
-    keys = kv_rows(k_cache, block_tables).reshape(s, positions, KV_HEADS, d)
-    values = kv_rows(v_cache, block_tables).reshape(s, positions, KV_HEADS, d)
+    keys = kv_rows(k_cache, block_tables, layer).reshape(s, positions, KV_HEADS, d)
+    values = kv_rows(v_cache, block_tables, layer).reshape(s, positions, KV_HEADS, d)
     if tq == 1 and s * h * positions * KV_HEADS <= ALL_PAIRS_MAX_SCORES:
         return _one_query_all_pairs(q, keys, values, query_pos)
     qg = q.reshape(s, tq, KV_HEADS, h // KV_HEADS, d)
