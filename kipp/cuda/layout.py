@@ -37,10 +37,11 @@ Norms are float32 everywhere (the artifact stores them F32). The layers are a pe
 separate arrays, with one exception: the CPU twins' "device" layout (BF16 bits, or the packed
 planes) stacks each tensor over the layers, `[layers, ...]` (`place_weights(stacked=True)`), and
 its step scans one layer's code over them (kipp.cuda.forward) instead of unrolling 28 copies.
-Each compiled step program then keeps ~23 MiB instead of ~81 and compiles in 0.7 s instead of
-4.4 (0.6B shape, decode; measured with RSS after malloc_trim), which is what holds the stored
-mode's peak RSS near the artifact's size, at the same step time (one row at 64 and 1,000
-positions, eight rows at 64 and 400: within 2%, bitwise the same logits). The other layouts
+Each compiled step program then keeps 2-12 MiB (RSS after malloc_trim; the first one 28 with
+the compiler's one-time start-up) instead of ~81, and compiles in 0.7 s instead of 4.4 (0.6B
+shape), which is what holds the stored mode's peak RSS near the artifact's size, at the same
+step time (one row at 64 and 1,000 positions, eight rows at 64 and 400: within 2%, bitwise the
+same logits). The other layouts
 stay per layer: Kipp's CPU matmul takes its panels as a buffer, which a slice of a stack would
 first copy (XLA's CPU copies a slice of a stacked weight before a dot: measured 0.7 GB/s
 stacked vs ~15 GB/s separate), and the Pallas kernels take one layer's slab.
