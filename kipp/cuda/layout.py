@@ -196,8 +196,10 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
     def head(t):  # the output head (a tied embedding too): the panels layout multiplies panels
         return projection(t) if layout == "panels" else table(t)
 
-    embed = head(w.token_embd) if w.tied else table(w.token_embd)
-    tree = {"embed": put("embed", w.token_embd, embed), "head": None}
+    # (no local holds a packed value: it would stay alive, 594 MiB for the 0.6B's tied panels,
+    # until every layer is placed)
+    tree = {"embed": put("embed", w.token_embd,
+                         head(w.token_embd) if w.tied else table(w.token_embd)), "head": None}
     if not w.tied:
         tree["head"] = put("head", w.output, head(w.output))
     if stacked:
