@@ -81,7 +81,7 @@ def test_build_without_a_compiler_says_what_is_missing(monkeypatch, tmp_path):
 def test_a_failed_compile_names_the_error(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_matmul, "SOURCE", broken)
+    monkeypatch.setattr(cpu_matmul, "SOURCES", (broken,))
     if not cpu_matmul.available()[0]:
         pytest.skip("no compiler")
     with pytest.raises(RuntimeError, match="failed"):

@@ -82,6 +82,7 @@ class JaxBackend(Backend):
             artifact, weight_memory, weight_layout, gpu, platform,
             plain=mesh is not None or self.choice.kernels)
         self.mesh = mesh
+        self.cpu_attention = _cpu_attention(platform, mesh, self.choice.kernels, kv_scheme)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
         self._programs: dict[rounds.Bucket, object] = {}
@@ -159,6 +160,8 @@ class JaxBackend(Backend):
         kernels = f"; {self.kernels.summary()}" if self.choice.kernels else ""
         weights = ("f32 panel weights, Kipp CPU matmul" if self.layout == "panels"
                    else f"{self.layout} weights")
+        if self.cpu_attention:
+            weights += ", Kipp CPU decode attention"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
                 f"{weights}, {self.scheme.name} artifact ({self.memory.reason})"
                 f"{kv}{kernels})")
@@ -268,7 +271,8 @@ class JaxBackend(Backend):
         # no probed kernel left running: nothing runs a kernel, probed or not
         kernels = self.choice.kernels and bool(self.kernels.running)
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
-                           twins=frozenset(self.kernels.fell_back))
+                           twins=frozenset(self.kernels.fell_back),
+                           cpu_attention=self.cpu_attention)
 
 
 def _projection_format(scheme: str, weight_layout: str) -> str:
@@ -293,6 +297,20 @@ def _weight_layout(artifact: Artifact, weight_memory: str, weight_layout: str | 
     if chosen.mode != "float32":
         return chosen, "device"
     return chosen, layout.float32_layout(platform, sharded=plain)
+
+
+def _cpu_attention(platform: str, mesh, kernels: bool, kv_scheme: str) -> bool:
+    """Whether the twins' decode rounds run Kipp's CPU attention (kipp.cuda.cpu_attention): on
+    one CPU device, over a BF16 slab; logged once when it cannot be built."""
+    if platform != "cpu" or mesh is not None or kernels or kv_scheme != "bf16":
+        return False
+    from kipp.cuda import cpu_attention
+
+    usable, why = cpu_attention.available()
+    if not usable:
+        layout._warn_once(f"Kipp's CPU attention is unavailable ({why}); decode attention runs "
+                          f"its jax.numpy twin")
+    return usable
 
 
 def _signature(tree) -> tuple:

@@ -12,68 +12,21 @@
 //
 // Work is split over XLA's intra-op thread pool in units of kUnit panels; the calling thread
 // takes units too and then waits only for units other threads have already claimed.
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-
-#if defined(__FMA__)
-#include <immintrin.h>
-#elif defined(__aarch64__)
-#include <arm_neon.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "cpu_kernels.h"
 
 namespace {
+
+using kipp::Broadcast;
+using kipp::Fma;
+using kipp::Load;
+using kipp::Store;
+using kipp::v8;
+namespace ffi = xla::ffi;
 
 constexpr int64_t kPanel = 8;     // output columns per panel: one 8-wide vector
 constexpr int64_t kUnit = 8;      // panels per work unit
 constexpr int kMaxRows = 8;       // rows per tile
 constexpr int64_t kPrefetch = 64;  // k steps ahead (2 KiB per panel stream)
-
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 Load(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-
-inline v8 Broadcast(float v) { return v8{v, v, v, v, v, v, v, v}; }
-
-// a * b + c with one rounding, always: the compiler's own contraction of `c += a * b` differs
-// between tile shapes, and a row must round the same way in every tile.
-inline v8 Fma(v8 a, v8 b, v8 c) {
-#if defined(__FMA__)
-  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                              reinterpret_cast<__m256>(b),
-                                              reinterpret_cast<__m256>(c)));
-#elif defined(__aarch64__)
-  float32x4_t r[2];
-  for (int h = 0; h < 2; ++h) {
-    float32x4_t av, bv, cv;
-    std::memcpy(&av, reinterpret_cast<const float*>(&a) + 4 * h, 16);
-    std::memcpy(&bv, reinterpret_cast<const float*>(&b) + 4 * h, 16);
-    std::memcpy(&cv, reinterpret_cast<const float*>(&c) + 4 * h, 16);
-    r[h] = vfmaq_f32(cv, av, bv);
-  }
-  v8 out;
-  std::memcpy(&out, r, sizeof out);
-  return out;
-#else
-  v8 out;
-  for (int i = 0; i < 8; ++i) out[i] = std::fma(a[i], b[i], c[i]);
-  return out;
-#endif
-}
 
 // MR rows of x [MR][K] against NP consecutive panels: y[r][p * 8 + j].
 template <int MR, int NP>
@@ -120,47 +73,28 @@ constexpr TileFn kPairTile[kWideRows + 1] = {nullptr,    Tile<1, 2>, Tile<2, 2>,
 constexpr TileFn kSingleTile[kWideRows + 1] = {nullptr,    Tile<1, 1>, Tile<2, 1>, Tile<3, 1>,
                                                Tile<4, 1>, Tile<5, 1>, Tile<6, 1>};
 
-struct Job {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t m, k, n, panels, units, chunk;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  // One work unit: kUnit panels (fewer at the end) for every row. Up to kMaxRows rows are one
-  // tile per panel group; more rows (prefill) go in 6-row x 2-panel tiles, panel pair by panel
-  // pair, so a pair is read from memory once and from cache for the other row groups.
-  void Unit(int64_t u) const {
-    const int64_t first = u * kUnit;
-    const int64_t count = std::min(kUnit, panels - first);
-    const float* wp = w + first * k * kPanel;
-    float* yp = y + first * kPanel;
-    if (m <= kMaxRows) {
-      kRows[m](x, k, wp, count, yp, n);
-      return;
-    }
-    for (int64_t p = 0; p < count; p += 2) {
-      const bool pair = p + 1 < count;
-      for (int64_t r = 0; r < m; r += kWideRows) {
-        const int64_t rows = std::min<int64_t>(kWideRows, m - r);
-        (pair ? kPairTile : kSingleTile)[rows](x + r * k, k, wp + p * k * kPanel,
-                                               yp + r * n + p * kPanel, n);
-      }
+// One work unit: kUnit panels (fewer at the end) for every row. Up to kMaxRows rows are one
+// tile per panel group; more rows (prefill) go in 6-row x 2-panel tiles, panel pair by panel
+// pair, so a pair is read from memory once and from cache for the other row groups.
+void Unit(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n,
+          int64_t panels, int64_t u) {
+  const int64_t first = u * kUnit;
+  const int64_t count = std::min(kUnit, panels - first);
+  const float* wp = w + first * k * kPanel;
+  float* yp = y + first * kPanel;
+  if (m <= kMaxRows) {
+    kRows[m](x, k, wp, count, yp, n);
+    return;
+  }
+  for (int64_t p = 0; p < count; p += 2) {
+    const bool pair = p + 1 < count;
+    for (int64_t r = 0; r < m; r += kWideRows) {
+      const int64_t rows = std::min<int64_t>(kWideRows, m - r);
+      (pair ? kPairTile : kSingleTile)[rows](x + r * k, k, wp + p * k * kPanel,
+                                             yp + r * n + p * kPanel, n);
     }
   }
-
-  // Claim chunks of units until none are left.
-  void Work() {
-    for (;;) {
-      const int64_t begin = next.fetch_add(chunk);
-      if (begin >= units) return;
-      const int64_t end = std::min(units, begin + chunk);
-      for (int64_t u = begin; u < end; ++u) Unit(u);
-      done.fetch_add(end - begin, std::memory_order_release);
-    }
-  }
-};
+}
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> y) {
@@ -172,23 +106,16 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(
         "kipp_cpu_matmul: expected x [M, K], w [N/8, K, 8], y [M, N] float32");
   }
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->m = xd[0];
-  job->k = xd[1];
-  job->n = yd[1];
-  job->panels = wd[0];
-  job->units = (job->panels + kUnit - 1) / kUnit;
-  if (job->m == 0 || job->units == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0];
+  const int64_t units = (panels + kUnit - 1) / kUnit;
+  if (m == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->chunk = std::max<int64_t>(1, job->units / (threads * 8));
-  const int64_t helpers = std::min(threads, (job->units + job->chunk - 1) / job->chunk) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // Late helpers find no unit left and return; wait only for units claimed and running.
-  while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
+  kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
+    Unit(xp, wp, yp, m, k, n, panels, u);
+  });
   return ffi::Error::Success();
 }
 

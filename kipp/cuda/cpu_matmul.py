@@ -17,7 +17,9 @@ head's panels: row v is `panels[v // 8, :, v % 8]`.
 Kernel: kipp/cuda/cpu_matmul.cc (an XLA FFI handler; the tiling and why is in its header). It is
 compiled at first use with the system's C++ compiler (`$CXX`, else c++ / g++ / clang++) against
 the JAX headers, for this CPU (-march=native), into $KIPP_HOME/build, keyed by source, compiler,
-JAX version and CPU; then registered as an FFI target. Each output is one FMA chain over k, so a
+JAX version and CPU; then registered as an FFI target. The same library holds Kipp's CPU decode
+attention (kipp/cuda/cpu_attention.cc, wrapped by kipp.cuda.cpu_attention), and both sources
+share kipp/cuda/cpu_kernels.h: this module builds and loads it for both. Each output is one FMA chain over k, so a
 row's result is bitwise the same alone or in a batch. When no compiler is found or the build
 fails, `available()` says why, and JaxBackend keeps the plain float32 layout and XLA's dot (it
 logs the reason and says so in describe()). KIPP_JAX_CPU_MATMUL=0 turns the kernel off (A/B).
@@ -46,8 +48,11 @@ log = logging.getLogger("kipp.cuda")
 
 PANEL = 8  # output columns per panel (one 8-float vector)
 TARGET = "kipp_cpu_matmul_f32"
-SYMBOL = "KippCpuMatmulF32"
-SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_matmul.cc", HERE / "cpu_attention.cc")  # one library: Kipp's CPU kernels
+HEADERS = (HERE / "cpu_kernels.h",)
+# FFI target -> the handler symbol the library exports
+TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention"}
 ENV = "KIPP_JAX_CPU_MATMUL"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
 COMPILERS = ("c++", "g++", "clang++")
@@ -89,9 +94,15 @@ def matmul_reference(x: jax.Array, panels: jax.Array) -> jax.Array:
 
 def available() -> tuple[bool, str]:
     """(True, how it was built) once the kernel is registered with XLA, else (False, why)."""
-    switch = os.environ.get(ENV, "")
+    return library(ENV)
+
+
+def library(switch_env: str | None = None) -> tuple[bool, str]:
+    """(True, how it was built) once Kipp's CPU kernel library is built and every target in it
+    registered with XLA, else (False, why); `switch_env` set to 0/off/false turns its kernel off."""
+    switch = os.environ.get(switch_env, "") if switch_env else ""
     if switch in ("0", "off", "false"):
-        return False, f"{ENV}={switch} turns it off"
+        return False, f"{switch_env}={switch} turns it off"
     return _load()
 
 
@@ -100,11 +111,12 @@ def _load() -> tuple[bool, str]:
     try:
         path = build()
         library = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)),
-                                    platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         return False, str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    _LIBRARIES.append(library)  # keep the handler's code mapped for the life of the process
+    _LIBRARIES.append(library)  # keep the handlers' code mapped for the life of the process
     return True, f"built at {path}"
 
 
@@ -112,7 +124,7 @@ _LIBRARIES: list = []
 
 
 def build(directory: Path | None = None) -> Path:
-    """The kernel's shared library for this CPU, compiled once into `directory` (default
+    """The kernels' shared library for this CPU, compiled once into `directory` (default
     $KIPP_HOME/build); raises RuntimeError naming what is missing or the compiler's error."""
     from kipp import store
 
@@ -120,21 +132,22 @@ def build(directory: Path | None = None) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=60).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join(s.encode() for s in [
-        SOURCE.read_text(), compiler, *version, *FLAGS, jax.__version__, _cpu_id()]))
+        *(f.read_text() for f in SOURCES + HEADERS), compiler, *version, *FLAGS,
+        jax.__version__, _cpu_id()]))
     directory = Path(directory or store.home() / "build")
-    path = directory / f"cpu_matmul-{key.hexdigest()[:16]}.so"
+    path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return path
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         out = Path(scratch) / path.name
-        command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o",
-                   str(out)]
+        command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), "-I", str(HERE),
+                   *map(str, SOURCES), "-o", str(out)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
         os.replace(out, path)  # atomic: a concurrent build of the same key is harmless
-    log.info("built Kipp's CPU matmul: %s", path)
+    log.info("built Kipp's CPU kernels: %s", path)
     return path
 
 

@@ -8,8 +8,9 @@ final RMSNorm and the output head for the requested rows only.
 
 `Ops` decides how projections and attention run: Pallas kernels (GPU, or interpret mode in
 tests) or their jax.numpy twins; on XLA's CPU, projections stored as float32 panels ("f32p")
-run Kipp's CPU matmul (kipp.cuda.cpu_matmul) whatever the path. The KV slab is a tuple of
-per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU,
+run Kipp's CPU matmul (kipp.cuda.cpu_matmul) whatever the path, and with `cpu_attention` the
+twins' decode rounds over a BF16 slab run Kipp's CPU attention (kipp.cuda.cpu_attention). The
+KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU,
 whose BF16 scatter widens the whole buffer to float32 and back), or with the q8_0 KV scheme a
 `layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated to the step so XLA updates
 it in place. When the parameters' "layers" are stacked (a dict of `[layers, ...]` arrays: the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from kipp.cuda import cpu_matmul
+from kipp.cuda import cpu_attention, cpu_matmul
 from kipp.cuda import decode_attention as decode_mod
 from kipp.cuda import prefill_attention as prefill_mod
 from kipp.cuda import quant_matmul as matmul_mod
@@ -42,6 +43,7 @@ class Ops:
     kernels: bool = False  # Pallas kernels instead of the jax.numpy twins
     interpret: bool = False  # run the kernels in Pallas interpret mode (CPU tests)
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
+    cpu_attention: bool = False  # twins' decode attention on Kipp's CPU kernel (one CPU device)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False) -> jax.Array:
         if w.fmt == "f32p":  # the CPU layout: only Kipp's CPU matmul reads panels
@@ -59,6 +61,11 @@ class Ops:
         kind = "decode_attention" if q.shape[1] == 1 else "prefill_attention"
         kv = "q8_0" if isinstance(k_cache, QuantizedKV) else "bf16"
         if not self.kernels or f"{kind}/{kv}" in self.twins:
+            if self.cpu_attention and q.shape[1] == 1 and kv == "bf16" and \
+                    k_cache.dtype == jnp.uint16:  # a decode round over the CPU's BF16 bits
+                return cpu_attention.decode_attention(q[:, 0], k_cache, v_cache,
+                                                      r.query_pos[:, 0], r.block_tables,
+                                                      layer)[:, None]
             return prefill_mod.paged_attention_reference(q, k_cache, v_cache, r.query_pos,
                                                          r.block_tables, layer)
         if layer is not None:

@@ -324,8 +324,15 @@ def store_kv(cache, new: jax.Array, slots: jax.Array, layer=None):
 
     Indexed as (block, offset): scattering into a flattened view makes XLA's CPU copy the
     whole donated buffer (measured: seconds per step on a large slab), this form stays in place
-    (and so does (layer, block, offset) into a stacked slab carried through a scan).
+    (and so does (layer, block, offset) into a stacked slab carried through a scan). A single
+    row goes with a dropped second one: XLA rewrites a one-row scatter as a dynamic-update-slice,
+    and when Kipp's CPU attention (a custom call) then read the slab XLA's CPU copied the whole
+    slab several times a layer (one-sequence decode at an 8,192-token slab: 986 ms a step
+    against 87).
     """
+    if slots.shape[0] == 1:  # one row: a second one, dropped, keeps it a scatter (below)
+        slots = jnp.concatenate([slots, jnp.full_like(slots, jnp.iinfo(slots.dtype).max)])
+        new = jnp.concatenate([new, new])
     where = (slots // KV_BLOCK, slots % KV_BLOCK)
     if layer is not None:
         where = (layer,) + where
