@@ -105,3 +105,19 @@ def test_switch_off_and_backend_layout(monkeypatch, artifacts):
         on = JaxBackend(artifact, 4)
         assert on.layout == "panels" and "Kipp CPU matmul" in on.describe()
         assert on.weight_bytes == off.weight_bytes  # the same float32 values, repacked
+
+
+@needs_kernel
+def test_a_stacked_weight_is_read_at_its_layer():
+    """The scanned step passes a weight stacked over layers, [L, N/8, K, 8], and a traced layer
+    index: bitwise what each layer's own panels give."""
+    rng = np.random.default_rng(9)
+    stack = np.stack([cpu_matmul.pack(rng.standard_normal((24, 40)).astype(np.float32))
+                      for _ in range(3)])
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    stacked = jax.jit(lambda i: cpu_matmul.matmul(x, stack, i))
+    for i in range(3):
+        assert np.array_equal(np.asarray(stacked(jnp.int32(i))),
+                              np.asarray(jax.jit(cpu_matmul.matmul)(x, stack[i]))), i
+    with pytest.raises(Exception, match="kipp_cpu_matmul: layer out of range"):
+        jax.block_until_ready(stacked(jnp.int32(3)))

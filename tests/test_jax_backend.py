@@ -68,19 +68,28 @@ def test_packed_layout_twins_match_reference(artifacts, scheme):
     _gate(ref, jb, prompt_len=20, decode_steps=2)
 
 
-@pytest.mark.parametrize("kv_scheme", ["bf16", "q8_0"])
-def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, kv_scheme):
-    """The CPU twins' stored layout stacks the layers and scans one layer's code over them
-    (kipp.cuda.forward.step); the same weights and slab split into per-layer arrays, through the
-    unrolled step, give bitwise the same logits and slab, for a round mixing a prefill chunk and
-    a decode row over a slab that already holds KV."""
-    from kipp.cuda import forward, rounds
+@pytest.mark.parametrize("weight_memory,kv_scheme,decode_only", [
+    ("stored", "bf16", False), ("stored", "q8_0", False), ("float32", "bf16", False),
+    ("float32", "bf16", True), ("stored", "bf16", True)])
+def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, weight_memory, kv_scheme,
+                                                     decode_only):
+    """The CPU twins' stored and panel layouts stack the layers and scan one layer's code over
+    them (kipp.cuda.forward.step); the same weights and slab split into per-layer arrays,
+    through the unrolled step, give bitwise the same logits and slab, for a round mixing a
+    prefill chunk and a decode row, and a decode-only round (Kipp's CPU attention on a BF16
+    slab), over a slab that already holds KV."""
+    from kipp.cuda import cpu_matmul, forward, rounds
 
-    _, jb = _backends(artifacts, UNTIED, "q8_0", path="twins", weight_memory="stored",
+    if weight_memory == "float32" and not cpu_matmul.available()[0]:
+        pytest.skip(f"Kipp's CPU matmul: {cpu_matmul.available()[1]}")
+    _, jb = _backends(artifacts, UNTIED, "q8_0", path="twins", weight_memory=weight_memory,
                       kv_scheme=kv_scheme)
     assert jb.stacked and isinstance(jb.params["layers"], dict)
-    jb.eval([EvalItem(_tokens(3, 40), 0, (4, 2))])  # KV for the decode row below
-    items = [EvalItem(_tokens(4, 9), 0, (7,), 9), EvalItem((5,), 40, (4, 2))]
+    assert jb.layout == ("device" if weight_memory == "stored" else "panels")
+    jb.eval([EvalItem(_tokens(3, 40), 0, (4, 2)), EvalItem(_tokens(5, 40), 0, (8, 9))])
+    items = [EvalItem((5,), 40, (4, 2))]  # decode rows over that KV
+    items = items + ([EvalItem((6,), 40, (8, 9))] if decode_only else
+                     [EvalItem(_tokens(4, 9), 0, (7,), 9)])
     bucket, arrays, _ = rounds.pack_round(items, rounds.plan_rounds(items, 64)[0], BLOCKS)
     layers = jb.entry.layers
     per_layer = dict(jb.params, layers=[jax.tree.map(lambda a: a[i], jb.params["layers"])

@@ -123,8 +123,10 @@ class JaxBackend(Backend):
         shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
         # the CPU twins hold BF16 as uint16 bits (kipp.cuda.layout); kernels read BF16 itself
         bits = platform == "cpu" and self.layout == "device" and not self.choice.kernels
-        # and their stored layout stacks the layers for a scanned step (kipp.cuda.layout)
-        self.stacked = bits and self.mesh is None
+        # the twins on one CPU device stack the layers for a scanned step (kipp.cuda.layout):
+        # BF16 bits or packed planes (stored), or panels for Kipp's CPU matmul (float32)
+        self.stacked = self.mesh is None and platform == "cpu" and not self.choice.kernels \
+            and self.layout in ("device", "panels")
         if self.mesh is not None:
             from kipp.cuda import sharding
 

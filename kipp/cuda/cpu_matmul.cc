@@ -96,20 +96,28 @@ void Unit(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_
   }
 }
 
+// w holds the panels of one or more layers, [L, N / 8, K, 8]; `layer` picks one (the scanned
+// step passes the whole stack and its loop index, so no slice of it is ever copied).
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
-      wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
+  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || wd[3] != kPanel ||
+      wd[2] != xd[1] || yd[0] != xd[0] || yd[1] != wd[1] * kPanel ||
+      layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(
-        "kipp_cpu_matmul: expected x [M, K], w [N/8, K, 8], y [M, N] float32");
+        "kipp_cpu_matmul: expected x [M, K], w [L, N/8, K, 8], y [M, N] float32, layer [1] "
+        "int32");
+  }
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= wd[0]) {
+    return ffi::Error::InvalidArgument("kipp_cpu_matmul: layer out of range");
   }
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = w.typed_data() + index * wd[1] * wd[2] * kPanel;
   float* yp = y->typed_data();
-  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0];
+  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[1];
   const int64_t units = (panels + kUnit - 1) / kUnit;
   if (m == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -124,6 +132,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuMatmulF32, Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y

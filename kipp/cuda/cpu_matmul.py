@@ -78,13 +78,17 @@ def rows(panels: jax.Array, index: jax.Array) -> jax.Array:
     return panels[index // PANEL, :, index % PANEL]
 
 
-def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
-    """x [M, K] float32 @ W^T -> [M, N] float32 with W packed as panels [N/8, K, 8]."""
-    ok, why = available()
+def matmul(x: jax.Array, panels: jax.Array, layer=None) -> jax.Array:
+    """x [M, K] float32 @ W^T -> [M, N] float32 with W packed as panels [N/8, K, 8], or stacked
+    over layers [L, N/8, K, 8] and read at `layer` (the kernel indexes the stack: no copy)."""
+    ok, why = library()  # built and registered (the switch is the backend's choice)
     if not ok:
         raise RuntimeError(f"Kipp's CPU matmul is unavailable: {why}")
-    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), panels)
+    if layer is None:
+        panels, layer = panels[None], 0
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[1] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), panels,
+                                         jnp.asarray(layer, jnp.int32).reshape(1))
 
 
 def matmul_reference(x: jax.Array, panels: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16
 whose BF16 scatter widens the whole buffer to float32 and back), or with the q8_0 KV scheme a
 `layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated to the step so XLA updates
 it in place. When the parameters' "layers" are stacked (a dict of `[layers, ...]` arrays: the
-CPU twins' stored layout, kipp.cuda.layout) the slab is one stacked (K, V) pair
+CPU twins' stored and panel layouts, kipp.cuda.layout) the slab is one stacked (K, V) pair
 `[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one layer over the stacks, the
 slab carried through it and written in place.
 """
@@ -45,9 +45,11 @@ class Ops:
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
     cpu_attention: bool = False  # twins' decode attention on Kipp's CPU kernel (one CPU device)
 
-    def linear(self, x: jax.Array, w: Linear, head: bool = False) -> jax.Array:
+    def linear(self, x: jax.Array, w: Linear, head: bool = False, layer=None) -> jax.Array:
+        """x @ w^T; `layer`: w is a stacked f32p weight, read at that layer (the scanned step;
+        every other format arrives already sliced to its layer)."""
         if w.fmt == "f32p":  # the CPU layout: only Kipp's CPU matmul reads panels
-            return cpu_matmul.matmul(x, w.w)
+            return cpu_matmul.matmul(x, w.w, layer)
         # Interpret mode pays per program: the 151,936-row head would take minutes, so there
         # it runs its twin (the BF16 kernel is checked on its own in the kernel tests).
         if self.kernels and not (head and self.interpret) and \
@@ -105,7 +107,9 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
 
         def body(carry, i):
             x, k_cache, v_cache = carry
-            p = jax.tree.map(lambda a: a[i], layers)
+            # Kipp's CPU matmul indexes a stacked panel weight itself; the rest is sliced
+            p = {name: w if isinstance(w, Linear) and w.fmt == "f32p" else
+                 jax.tree.map(lambda a: a[i], w) for name, w in layers.items()}
             return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i), None
 
         count = jax.tree.leaves(layers)[0].shape[0]
@@ -140,10 +144,13 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=Non
     """One layer; `layer`: its index into stacked slabs (the scanned step), else the slabs are
     this layer's own."""
     t = x.shape[0]
+    def linear(x, name):
+        return ops.linear(x, p[name], layer=layer)
+
     h = rms_norm(x, p["attn_norm"])                                        # (1)
-    q = ops.linear(h, p["q"]).reshape(t, -1, HEAD_DIM)                      # (2) [T, H, 128]
-    k = ops.linear(h, p["k"]).reshape(t, KV_HEADS, HEAD_DIM)                #     [T, 8, 128]
-    v = ops.linear(h, p["v"]).reshape(t, KV_HEADS, HEAD_DIM)
+    q = linear(h, "q").reshape(t, -1, HEAD_DIM)                             # (2) [T, H, 128]
+    k = linear(h, "k").reshape(t, KV_HEADS, HEAD_DIM)                       #     [T, 8, 128]
+    v = linear(h, "v").reshape(t, KV_HEADS, HEAD_DIM)
     q = apply_rope(rms_norm(q, p["q_norm"]), cos, sin)                      # (3), (4)
     k = apply_rope(rms_norm(k, p["k_norm"]), cos, sin)
     k_cache = store_kv(k_cache, k, r.slots, layer)                          # (5)
@@ -151,10 +158,10 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=Non
     grouped = q[r.query_index]                                              # [S, Tq, H, 128]
     attn = ops.attention(grouped, k_cache, v_cache, r, layer)
     attn = attn.reshape(-1, q.shape[1] * HEAD_DIM)[r.token_query]           # [T, H * 128]
-    x = x + ops.linear(attn, p["o"])                                        # (6)
+    x = x + linear(attn, "o")                                               # (6)
     h = rms_norm(x, p["ffn_norm"])                                          # (7)
-    ffn = _silu(ops.linear(h, p["gate"])) * ops.linear(h, p["up"])         # (8)
-    return x + ops.linear(ffn, p["down"]), k_cache, v_cache                 # (9)
+    ffn = _silu(linear(h, "gate")) * linear(h, "up")                        # (8)
+    return x + linear(ffn, "down"), k_cache, v_cache                        # (9)
 
 
 def _silu(x: jax.Array) -> jax.Array:

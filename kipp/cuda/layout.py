@@ -33,17 +33,17 @@ the memory budget; never on a GPU, where a fallback must fit where the kernels f
   planes run on CPU too (layout="device": weight_memory "stored"), which is how the tests check
   the GPU's twins here, and what a CPU without room for the copy runs.
 
-Norms are float32 everywhere (the artifact stores them F32). The layers are a per-layer list of
-separate arrays, with one exception: the CPU twins' "device" layout (BF16 bits, or the packed
-planes) stacks each tensor over the layers, `[layers, ...]` (`place_weights(stacked=True)`), and
-its step scans one layer's code over them (kipp.cuda.forward) instead of unrolling 28 copies.
+Norms are float32 everywhere (the artifact stores them F32). On one CPU device the twins'
+"device" layout (BF16 bits, or the packed planes) and "panels" stack each layer tensor over the
+layers, `[layers, ...]` (`place_weights(stacked=True)`), and the step scans one layer's code
+over them (kipp.cuda.forward) instead of unrolling 28 copies: a BF16 weight's slice fuses into
+its widening, and Kipp's CPU matmul reads a stacked panel weight at the layer it is given.
 Each compiled step program then keeps 2-12 MiB (RSS after malloc_trim; the first one 28 with
 the compiler's one-time start-up) instead of ~81, and compiles in 0.7 s instead of 4.4 (0.6B
-shape), which is what holds the stored mode's peak RSS near the artifact's size, at the same
-step time (one row at 64 and 1,000 positions, eight rows at 64 and 400: within 2%, bitwise the
-same logits). The other layouts
-stay per layer: Kipp's CPU matmul takes its panels as a buffer, which a slice of a stack would
-first copy (XLA's CPU copies a slice of a stacked weight before a dot: measured 0.7 GB/s
+shape, stored), which is what holds the stored mode's peak RSS near the artifact's size, at
+the same step time (one row at 64 and 1,000 positions, eight rows at 64 and 400: within 2%,
+bitwise the same logits). Everywhere else the layers are a per-layer list of separate arrays:
+XLA's CPU copies a slice of a stacked float32 weight before its own dot (measured 0.7 GB/s
 stacked vs ~15 GB/s separate), and the Pallas kernels take one layer's slab.
 """
 
