@@ -43,6 +43,14 @@ def _plant_scale(patch):
                   lambda q, *rest: original(q * 1.1, *rest))
 
 
+def _plant_cpu_attention_scale(patch):
+    from kipp.cuda import cpu_attention
+
+    _fresh_programs(patch)
+    original = cpu_attention.decode_attention
+    patch.setattr(cpu_attention, "decode_attention", lambda q, *rest: original(q * 1.1, *rest))
+
+
 def _plant_theta(patch):
     import dataclasses
 
@@ -70,6 +78,10 @@ for fault in (
     Fault("jax-attention-scale-1.1", "forward pass",
           "kipp.cuda.prefill_attention.paged_attention_reference",
           "scores scaled by 1.1 / sqrt(128)", _plant_scale, _GATE4),
+    Fault("jax-cpu-attention-scale-1.1", "forward pass",
+          "kipp.cuda.cpu_attention.decode_attention",
+          "decode scores scaled by 1.1 / sqrt(128) in Kipp's CPU attention",
+          _plant_cpu_attention_scale, ("gate: jax vs reference",)),
     Fault("jax-rope-theta-1.05", "forward pass", "kipp.cuda.backend.JaxBackend._load",
           "RoPE tables built with a base theta 5% too large", _plant_theta, _GATE),
 ):
