@@ -69,8 +69,8 @@ def test_packed_layout_twins_match_reference(artifacts, scheme):
 
 
 @pytest.mark.parametrize("weight_memory,kv_scheme,decode_only", [
-    ("stored", "bf16", False), ("stored", "q8_0", False), ("float32", "bf16", False),
-    ("float32", "bf16", True), ("stored", "bf16", True)])
+    ("stored", "q8_0", False), ("float32", "bf16", False), ("float32", "bf16", True),
+    ("stored", "bf16", True)])
 def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, weight_memory, kv_scheme,
                                                      decode_only):
     """The CPU twins' stored and panel layouts stack the layers and scan one layer's code over

@@ -200,7 +200,6 @@ def test_jax_placement_holds_one_packed_tensor_at_a_time(artifacts, checkpoint_i
     """place_weights hands each packed tensor to `place` and keeps no host copy of it: when a
     tensor is placed, every host array placed before it is gone (a packed value held in a local
     until the end once kept the 0.6B's tied float32 head, 594 MiB, beside every layer)."""
-    import gc
     import weakref
 
     pytest.importorskip("jax")
@@ -210,8 +209,7 @@ def test_jax_placement_holds_one_packed_tensor_at_a_time(artifacts, checkpoint_i
 
     alive = []
 
-    def place(name, value):
-        gc.collect()
+    def place(name, value):  # numpy arrays hold no cycles: the last reference frees them
         held = [name for name, ref in alive if ref() is not None]
         assert not held, f"placing {name}: the host copies of {held} are still alive"
         if name not in layout.NORMS + ("output_norm",):  # norms: the file's own F32 rows
