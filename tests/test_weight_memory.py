@@ -187,10 +187,29 @@ def test_jax_stacked_layers_are_placed_without_a_copy(artifacts, monkeypatch, we
     assert jb.stacked
     placed = jax.tree.leaves(jb.params["layers"])
     # q8_0 projections: w and d each (panels: w); four norms
-    assert len(placed) == len(stacks) == 7 * (2 if weight_memory == "stored" else 1) + 4
+    assert len(placed) == 7 * (2 if weight_memory == "stored" else 1) + 4
     assert all(a.shape[0] == jb.entry.layers for a in placed)
+    # each placed stack is one of the host arrays made for it (the embedding's and head's own
+    # copies, kipp.cuda.layout.to_device, are made there too)
     assert ({(a.unsafe_buffer_pointer(), a.shape) for a in placed}
-            == {(a.ctypes.data, a.shape) for a in stacks})
+            <= {(a.ctypes.data, a.shape) for a in stacks})
+
+
+@pytest.mark.parametrize("weight_memory", ["stored", "float32"])
+def test_jax_weights_are_never_the_artifact_files_pages(artifacts, weight_memory):
+    """XLA's CPU takes an aligned numpy buffer as the device array itself, whatever device_put
+    is told: a placed tensor that was a view of the file mapping (the stored embedding, head and
+    norms) would be the file's pages. Every placed array lies outside the mapping."""
+    jax = pytest.importorskip("jax")
+    from kipp.cuda.backend import JaxBackend
+
+    artifact = open_artifact(artifacts(UNTIED, "bf16"))
+    jb = JaxBackend(artifact, BLOCKS, weight_memory=weight_memory)
+    mapping = artifact.file.mapping
+    start, stop = mapping.ctypes.data, mapping.ctypes.data + mapping.nbytes
+    inside = [a.shape for a in jax.tree.leaves(jb.params)
+              if start <= a.unsafe_buffer_pointer() < stop]
+    assert not inside, f"placed arrays in the artifact's mapping: {inside}"
 
 
 @pytest.mark.parametrize("checkpoint_id", [TINY, UNTIED])

@@ -303,7 +303,8 @@ def _weight_layout(artifact: Artifact, weight_memory: str, weight_layout: str | 
 
 def _cpu_attention(platform: str, mesh, kernels: bool, kv_scheme: str) -> bool:
     """Whether the twins' decode rounds run Kipp's CPU attention (kipp.cuda.cpu_attention): on
-    one CPU device, over a BF16 slab; logged once when it cannot be built."""
+    one CPU device, over a BF16 slab; a warning, once, when it cannot be built or is switched
+    off (KIPP_JAX_CPU_ATTENTION=0)."""
     if platform != "cpu" or mesh is not None or kernels or kv_scheme != "bf16":
         return False
     from kipp.cuda import cpu_attention

@@ -5,7 +5,8 @@
 // handler only reads it:
 // out[s, h] = softmax_p(q[s, h] . K[s, p, h / group] * 128^-0.5) . V[s, p, h / group] over the
 // positions p = 0..pos[s] of sequence s, position p read at slab row
-// tables[s, p / 32] * 32 + p % 32 (blocks clamped into the slab, as XLA's gather clamps), from
+// tables[s, p / 32] * 32 + p % 32 (a block outside the slab clamped into it: the backend's
+// checks keep tables inside it, so this only bounds the reads), from
 // layer `layer` of a slab [layers, blocks, 32, 8, 128] of BF16 bit patterns (uint16). A
 // sequence with pos < 0 (a padding row) gets zeros.
 //
@@ -14,9 +15,9 @@
 // context on XLA's CPU (bench/README.md, batch scaling). Here each unit of work, one sequence
 // and one KV head, reads its K and V rows once, straight from the slab, and serves the `group`
 // query heads that share them: scores for every position, then the softmax, then the weighted
-// sum of V rows. Float32 throughout; each dot is 16 eight-wide fused multiply-adds then a fixed
-// pairwise sum, so a sequence's result does not depend on the others in the round or on the
-// thread split.
+// sum of V rows. Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds
+// (even and odd vectors) then a fixed pairwise sum, so a sequence's result does not depend on
+// the others in the round or on the thread split.
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -129,7 +130,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto td = tables.dimensions();
   auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
   if (qd.size() != 3 || qd[2] != kHeadDim || qd[1] % kKvHeads || kd.size() != 5 ||
-      kd[2] != kBlock || kd[3] != kKvHeads || kd[4] != kHeadDim ||
+      kd[1] < 1 || kd[2] != kBlock || kd[3] != kKvHeads || kd[4] != kHeadDim ||
       !same(v.dimensions(), kd) || layer.element_count() != 1 ||
       pos.element_count() != qd[0] || td.size() != 2 || td[0] != qd[0] || td[1] < 1 ||
       !same(out->dimensions(), qd)) {

@@ -255,11 +255,28 @@ def _aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray
 
 def to_device(params, device=None, shardings=None, may_alias: bool = False):
     """Place a prepared pytree on `device` (or per-leaf `shardings`, a matching pytree).
-    `may_alias`: the device array may be the host array itself (XLA's CPU takes an aligned
-    numpy buffer without a copy); only for host arrays nothing else holds or writes."""
+
+    XLA's CPU takes a 64-byte aligned numpy buffer as the device array itself, whatever
+    device_put is told (jax 0.10 does not consult `may_alias` for numpy input). So a leaf that
+    views memory something else owns, above all the artifact's read-only file mapping (the
+    weights would be the file's pages: changed by a rewrite of the file, and what
+    Artifact.release drops), is first copied into a fresh aligned array, which the device array
+    may then be. `may_alias=True`: the leaves are fresh arrays nothing else holds or writes
+    (the layer stacks), placed as they are."""
+    if not may_alias:
+        params = jax.tree.map(_owned, params)
     if shardings is not None:
         return jax.tree.map(lambda a, s: jax.device_put(a, s), params, shardings)
     return jax.device_put(params, device, may_alias=may_alias or None)
+
+
+def _owned(a):
+    """`a` itself if it owns its memory (or is not a numpy array), else an aligned copy."""
+    if not isinstance(a, np.ndarray) or a.base is None:
+        return a
+    owned = _aligned_empty(a.shape, a.dtype)
+    owned[...] = a
+    return owned
 
 
 def widen_bf16(x: jax.Array) -> jax.Array:
@@ -287,8 +304,9 @@ class QuantizedKV(NamedTuple):
 
 
 def kv_zeros(shape: tuple[int, ...], scheme: str, platform: str):
-    """An empty K or V slab `[blocks, 32, 8, 128]` for `scheme` ("bf16" or "q8_0"), numpy-free
-    constructors only (the caller jits it onto its device or sharding)."""
+    """An empty K or V slab `[blocks, 32, 8, 128]` (or stacked, `[layers, blocks, 32, 8, 128]`)
+    for `scheme` ("bf16" or "q8_0"), numpy-free constructors only (the caller jits it onto its
+    device or sharding)."""
     bits = platform == "cpu"  # XLA's CPU widens a whole 16-bit float buffer to scatter into it
     if scheme == "q8_0":
         return QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.zeros(
