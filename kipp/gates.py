@@ -523,7 +523,6 @@ def run_gates(model, source_dir, bf16_model=None) -> list[GateResult]:
     return results
 
 
-
 def format_table(results: Sequence[GateResult]) -> str:
     """The results as a table: gate, verdict, measured error, bound, what was measured, detail."""
     lines = [f"{'gate':44} {'result':6} {'measured':>10} {'bound':>8}  {'measure':26} detail"]

@@ -136,10 +136,8 @@ class JaxBackend(Backend):
                 bits)
             kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
         else:
-            stacks = layout.PROJECTIONS + layout.NORMS if self.stacked else ()
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-                layout.to_device(value, self.device, may_alias=name in stacks)), bits,
-                self.stacked)  # a layer stack is a fresh host array: placed without a copy
+                layout.to_device(value, self.device)), bits, self.stacked)
             kv_sharding = replicated = self.device
         if self.stacked:
             shape = (self.entry.layers,) + shape

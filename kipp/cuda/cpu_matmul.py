@@ -19,8 +19,8 @@ compiled at first use with the system's C++ compiler (`$CXX`, else c++ / g++ / c
 the JAX headers, for this CPU (-march=native), into $KIPP_HOME/build, keyed by source, compiler,
 JAX version and CPU; then registered as an FFI target. The same library holds Kipp's CPU decode
 attention (kipp/cuda/cpu_attention.cc, wrapped by kipp.cuda.cpu_attention), and both sources
-share kipp/cuda/cpu_kernels.h: this module builds and loads it for both. Each output is one FMA chain over k, so a
-row's result is bitwise the same alone or in a batch. When no compiler is found or the build
+share kipp/cuda/cpu_kernels.h: this module builds and loads it for both. Each output is one FMA
+chain over k, so a row's result is bitwise the same alone or in a batch. When no compiler is found or the build
 fails, `available()` says why, and JaxBackend keeps the plain float32 layout and XLA's dot (it
 logs the reason and says so in describe()). KIPP_JAX_CPU_MATMUL=0 turns the kernel off (A/B).
 
@@ -103,7 +103,8 @@ def available() -> tuple[bool, str]:
 
 def library(switch_env: str | None = None) -> tuple[bool, str]:
     """(True, how it was built) once Kipp's CPU kernel library is built and every target in it
-    registered with XLA, else (False, why); `switch_env` set to 0/off/false turns its kernel off."""
+    registered with XLA, else (False, why); `switch_env` set to 0/off/false turns its kernel
+    off."""
     switch = os.environ.get(switch_env, "") if switch_env else ""
     if switch in ("0", "off", "false"):
         return False, f"{switch_env}={switch} turns it off"

@@ -10,10 +10,10 @@ final RMSNorm and the output head for the requested rows only.
 tests) or their jax.numpy twins; on XLA's CPU, projections stored as float32 panels ("f32p")
 run Kipp's CPU matmul (kipp.cuda.cpu_matmul) whatever the path, and with `cpu_attention` the
 twins' decode rounds over a BF16 slab run Kipp's CPU attention (kipp.cuda.cpu_attention). The
-KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as uint16 bits on XLA's CPU,
-whose BF16 scatter widens the whole buffer to float32 and back), or with the q8_0 KV scheme a
-`layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated to the step so XLA updates
-it in place. When the parameters' "layers" are stacked (a dict of `[layers, ...]` arrays: the
+KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as
+uint16 bits on XLA's CPU, whose BF16 scatter widens the whole buffer to float32 and back), or
+with the q8_0 KV scheme a `layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated
+to the step so XLA updates it in place. When the parameters' "layers" are stacked (a dict of `[layers, ...]` arrays: the
 CPU twins' stored and panel layouts, kipp.cuda.layout) the slab is one stacked (K, V) pair
 `[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one layer over the stacks, the
 slab carried through it and written in place.
@@ -144,6 +144,7 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=Non
     """One layer; `layer`: its index into stacked slabs (the scanned step), else the slabs are
     this layer's own."""
     t = x.shape[0]
+
     def linear(x, name):
         return ops.linear(x, p[name], layer=layer)
 

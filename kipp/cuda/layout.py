@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -167,8 +168,8 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
 
     `stacked`: "layers" is one {name: value} dict whose arrays are the layers' stacked
     `[layers, ...]` (the scanned step, module docstring): each layer's tensor is copied into a
-    host stack and released, and `place` gets the whole stack once (on a CPU it can alias it:
-    `to_device(..., may_alias=True)`, so the stack is the placed copy).
+    fresh 64-byte aligned host stack and released, and `place` gets the whole stack once (on a
+    CPU `to_device` places it without a copy: the stack is the placed array).
 
     "panels" (kipp.cuda.cpu_matmul): every projection and the output head as
     Linear(pack(float32), fmt="f32p"); a tied checkpoint's embedding is the head's Linear itself
@@ -253,30 +254,30 @@ def _aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray
     return raw[start:start + size].view(dtype).reshape(shape)
 
 
-def to_device(params, device=None, shardings=None, may_alias: bool = False):
+def to_device(params, device=None, shardings=None):
     """Place a prepared pytree on `device` (or per-leaf `shardings`, a matching pytree).
 
     XLA's CPU takes a 64-byte aligned numpy buffer as the device array itself, whatever
-    device_put is told (jax 0.10 does not consult `may_alias` for numpy input). So a leaf that
-    views memory something else owns, above all the artifact's read-only file mapping (the
-    weights would be the file's pages: changed by a rewrite of the file, and what
-    Artifact.release drops), is first copied into a fresh aligned array, which the device array
-    may then be. `may_alias=True`: the leaves are fresh arrays nothing else holds or writes
-    (the layer stacks), placed as they are."""
-    if not may_alias:
-        params = jax.tree.map(_owned, params)
+    device_put is told (jax 0.10 does not consult `may_alias` for numpy input): a fresh host
+    array (a layer stack) is placed without a copy, and a leaf that views the artifact's file
+    mapping is first copied into a fresh aligned array, so the weights are never the file's
+    pages (changed by a rewrite of the file, and what Artifact.release drops)."""
+    params = jax.tree.map(_off_the_file, params)
     if shardings is not None:
         return jax.tree.map(lambda a, s: jax.device_put(a, s), params, shardings)
-    return jax.device_put(params, device, may_alias=may_alias or None)
+    return jax.device_put(params, device)
 
 
-def _owned(a):
-    """`a` itself if it owns its memory (or is not a numpy array), else an aligned copy."""
-    if not isinstance(a, np.ndarray) or a.base is None:
+def _off_the_file(a):
+    """`a` itself, or an aligned copy of it if it views a memory-mapped file."""
+    base = a
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    if base is None:
         return a
-    owned = _aligned_empty(a.shape, a.dtype)
-    owned[...] = a
-    return owned
+    copy = _aligned_empty(a.shape, a.dtype)
+    copy[...] = a
+    return copy
 
 
 def widen_bf16(x: jax.Array) -> jax.Array:
