@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from kipp.cuda import cpu_attention  # noqa: E402
 from kipp.cuda.prefill_attention import paged_attention_reference  # noqa: E402
-from kipp.reference import ops  # noqa: E402
+from test_jax_kernels import _numpy_attention  # noqa: E402
 
 BOUND = 2e-6
 
@@ -26,18 +26,15 @@ needs_kernel = pytest.mark.skipif(not cpu_attention.available()[0],
 
 
 def _slab(rng, *shape):
-    """K and V as BF16 bit patterns (uint16), the CPU slab's storage, and as float64."""
+    """K and V as BF16 bit patterns (uint16), the CPU slab's storage, and as BF16."""
     k, v = (rng.standard_normal(shape + (32, 8, 128)).astype(ml_dtypes.bfloat16)
             for _ in range(2))
-    return k.view(np.uint16), v.view(np.uint16), k.astype(np.float64), v.astype(np.float64)
+    return k.view(np.uint16), v.view(np.uint16), k, v
 
 
 def _numpy(q, k, v, position, table):
     """float64 attention of q [H, 128] over positions 0..position through `table`."""
-    p = np.arange(position + 1)
-    slots = np.asarray(table)[p // 32] * 32 + p % 32
-    keys, values = k.reshape(-1, 8, 128)[slots], v.reshape(-1, 8, 128)[slots]
-    return ops.attend(q.astype(np.float64).reshape(8, -1, 128), keys, values).reshape(q.shape)
+    return _numpy_attention(q, k, v, position, table, np.float64)
 
 
 def _rel(got, want):
@@ -50,7 +47,7 @@ def test_kernel_matches_numpy_and_the_twin(heads):
     """Positions on both sides of block edges and a long one, scrambled block tables, and a
     padding row (position -1: zeros)."""
     rng = np.random.default_rng(heads)
-    k, v, k64, v64 = _slab(rng, 24)
+    k, v, kb, vb = _slab(rng, 24)
     pos = np.array([0, 31, 32, 33, 199, -1], np.int32)
     tables = np.stack([rng.permutation(24)[:8] for _ in pos]).astype(np.int32)
     q = rng.standard_normal((len(pos), heads, 128)).astype(np.float32)
@@ -58,7 +55,7 @@ def test_kernel_matches_numpy_and_the_twin(heads):
     twin = np.asarray(jax.jit(paged_attention_reference)(q[:, None], k, v, pos[:, None],
                                                          tables))[:, 0]
     for s, position in enumerate(pos[:-1]):
-        want = _numpy(q[s], k64, v64, position, tables[s])
+        want = _numpy(q[s], kb, vb, position, tables[s])
         assert _rel(got[s], want) <= BOUND, (s, _rel(got[s], want), _rel(twin[s], want))
         assert _rel(twin[s], want) <= BOUND
     assert np.array_equal(got[-1], np.zeros_like(got[-1]))

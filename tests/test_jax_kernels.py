@@ -101,13 +101,13 @@ def _slab(rng, blocks):
             rng.standard_normal(shape).astype(ml_dtypes.bfloat16))
 
 
-def _numpy_attention(q, k, v, position, table):
-    """ops.attend over positions 0..position gathered through the block table."""
+def _numpy_attention(q, k, v, position, table, dtype=np.float32):
+    """ops.attend over positions 0..position gathered through the block table, in `dtype`."""
     p = np.arange(position + 1)
     slots = np.asarray(table)[p // 32] * 32 + p % 32
-    keys = k.reshape(-1, 8, 128)[slots].astype(np.float32)
-    values = v.reshape(-1, 8, 128)[slots].astype(np.float32)
-    return ops.attend(q.reshape(8, -1, 128), keys, values).reshape(q.shape)
+    keys = k.reshape(-1, 8, 128)[slots].astype(dtype)
+    values = v.reshape(-1, 8, 128)[slots].astype(dtype)
+    return ops.attend(q.astype(dtype).reshape(8, -1, 128), keys, values).reshape(q.shape)
 
 
 def _kernel_oracle(q, k, v, position, table):
