@@ -163,6 +163,47 @@ def test_jax_weight_memory(artifacts, monkeypatch):
     assert JaxBackend(artifact, 2, weight_layout="device").memory.mode == "stored"
 
 
+def test_jax_stored_steps_compile_lean_and_compute_the_same(artifacts, monkeypatch):
+    """Stored weights on a CPU (the choice for memory) compile their steps with
+    LEAN_CPU_COMPILE, XLA's older CPU fusion code generator, where this jaxlib has it (far less
+    compiler scratch; the bench's weight-memory records measure it): the logits are bitwise
+    those of the default compile, for a prefill round and a decode round."""
+    pytest.importorskip("jax")
+    from kipp.backend import EvalItem
+    from kipp.cuda import backend as jb
+
+    artifact = open_artifact(artifacts(UNTIED, "bf16"))
+    lean = jb.JaxBackend(artifact, BLOCKS, weight_memory="stored")
+    assert lean.compiler_options == jb.LEAN_CPU_COMPILE
+    assert jb.JaxBackend(artifact, 2, weight_memory="float32").compiler_options == {}
+    monkeypatch.setattr(jb, "LEAN_CPU_COMPILE", {})
+    plain = jb.JaxBackend(artifact, BLOCKS, weight_memory="stored")
+    prompt = tuple(int(t) for t in np.random.default_rng(5).integers(0, 151_643, 20))
+    rounds = [[EvalItem(prompt, 0, (3, 1), 4)], [EvalItem((77,), 20, (3, 1))]]
+    runs = [[backend.eval(items) for items in rounds] for backend in (lean, plain)]
+    for got, want in zip(*runs):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert all(bucket in lean.buckets for bucket in plain.buckets)
+
+
+def test_compile_drops_an_option_the_jaxlib_lacks(monkeypatch, caplog):
+    """An XLA option this jaxlib does not know (jax 0.11 dropped LEAN_CPU_COMPILE's) is logged
+    once and left out; any other compile error is raised."""
+    jax = pytest.importorskip("jax")
+    from kipp.cuda import backend as jb
+
+    monkeypatch.setattr(jb, "_UNKNOWN_OPTIONS", set())
+    lowered = jax.jit(lambda x: x * 2.0 + 1.0).lower(np.ones(4, np.float32))
+    with caplog.at_level("INFO", logger="kipp.cuda"):
+        program = jb._compile_with(lowered, {"xla_cpu_kipp_no_such_option": True})
+        jb._compile_with(lowered, {"xla_cpu_kipp_no_such_option": True})
+    assert np.array_equal(np.asarray(program(np.ones(4, np.float32))), np.full(4, 3.0))
+    assert jb._UNKNOWN_OPTIONS == {"xla_cpu_kipp_no_such_option"}
+    assert caplog.text.count("no compiler option xla_cpu_kipp_no_such_option") == 1
+    with pytest.raises(Exception, match="not a valid int32 value"):
+        jb._compile_with(lowered, {"xla_cpu_parallel_codegen_split_count": "many"})
+
+
 @pytest.mark.parametrize("weight_memory", ["stored", "float32"])
 def test_jax_stacked_layers_are_placed_without_a_copy(artifacts, monkeypatch, weight_memory):
     """The CPU twins' stored and panel layouts stack each layer tensor in a host array that
