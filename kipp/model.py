@@ -68,13 +68,16 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
     if weight_memory != "auto":
         options["weight_memory"] = weight_memory
+    # the tokenizer first: building its tables takes ~40 MiB of scratch at Qwen3's vocabulary,
+    # freed again before the weights are resident
+    tokenizer = Tokenizer(artifact.tokenizer_data())
     backend = open_backend(choice.name, artifact, _num_blocks(artifact, choice.name, kv_tokens),
                            **options)
     if choice.name == "jax":
         backend.progress = progress  # a progress line for each first-call compile
     if progress:
         print(f"kipp: backend {backend.describe()} ({choice.reason})", file=sys.stderr)
-    return Model(artifact, backend)
+    return Model(artifact, backend, tokenizer)
 
 
 def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None:
@@ -174,12 +177,12 @@ class GenerationStats:
 class Model:
     """A loaded checkpoint on one backend. Not thread-safe: one caller (or engine thread)."""
 
-    def __init__(self, artifact: Artifact, backend):
+    def __init__(self, artifact: Artifact, backend, tokenizer: Tokenizer | None = None):
         self.artifact = artifact
         self.entry = artifact.entry
         self.backend = backend
         self.pool = BlockPool(backend.num_blocks)
-        self.tokenizer = Tokenizer(artifact.tokenizer_data())
+        self.tokenizer = Tokenizer(artifact.tokenizer_data()) if tokenizer is None else tokenizer
 
     def _display_rows(self) -> list[tuple[str, str]]:
         pool = self.pool

@@ -19,9 +19,10 @@ import codecs
 import heapq
 import json
 import unicodedata
+from array import array
 from dataclasses import dataclass
-from functools import lru_cache
-from itertools import chain
+from functools import cached_property, lru_cache
+from itertools import accumulate, chain
 from pathlib import Path
 from typing import Iterable
 
@@ -257,7 +258,6 @@ class Tokenizer:
 
     def __init__(self, data: TokenizerData):
         self.data = data
-        self._token_ids = {token: i for i, token in enumerate(data.tokens)}
         bpe_ids = {t: i for i, (t, ty) in enumerate(zip(data.tokens, data.token_types))
                    if ty == TOKEN_NORMAL}
         self._byte_ids = _byte_ids(bpe_ids)
@@ -270,7 +270,7 @@ class Tokenizer:
         self._split = regex.compile(QWEN2_SPLIT_PATTERN)
         self._split_pinned = regex.compile(_pinned_split_pattern(), regex.V1)
         self._unicode_17 = regex.compile(_unicode_17_class())
-        self._id_bytes = [_token_bytes(t, ty) for t, ty in zip(data.tokens, data.token_types)]
+        self._bytes, self._bytes_at = _bytes_table(data.tokens, data.token_types)
         self._cached_piece = lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._checked_piece)
 
     @classmethod
@@ -307,6 +307,11 @@ class Tokenizer:
         """The id of a token string (byte-level spelling for BPE tokens), or None."""
         return self._token_ids.get(token)
 
+    @cached_property
+    def _token_ids(self) -> dict[str, int]:
+        # built at the first lookup: generation never needs it (~8 MiB at Qwen3's vocabulary)
+        return {token: i for i, token in enumerate(self.data.tokens)}
+
     def id_to_token(self, token_id: int) -> str:
         """The token string of an id (padding rows give "[PAD<id>]")."""
         self._check_ids([token_id])
@@ -335,10 +340,11 @@ class Tokenizer:
         """The raw bytes the ids stand for (padding ids stand for nothing)."""
         ids = list(ids)
         self._check_ids(ids)
-        return b"".join(map(self._id_bytes.__getitem__, ids))
+        blob, at = self._bytes, self._bytes_at
+        return b"".join([blob[at[i]:at[i + 1]] for i in ids])
 
     def _check_ids(self, ids: list) -> None:
-        n = len(self._id_bytes)
+        n = len(self._bytes_at) - 1
         try:
             if not ids or (0 <= min(ids) and max(ids) < n and all(map(_is_index, ids))):
                 return
@@ -468,7 +474,8 @@ def _merge_tables(merges: tuple[str, ...], bpe_ids: dict[str, int]):
         raise TokenizerError(f"a merge names {missing}, which is not in the vocabulary") from None
     # A repeated pair keeps its last rank, as in the tokenizers crate's merge map.
     ranks = {a * _PAIR_KEY + b: rank for rank, (a, b) in enumerate(zip(lefts, rights))}
-    return ranks, merged, len(set(merged)) == len(merged) == len(ranks)
+    injective = len(set(merged)) == len(merged) == len(ranks)
+    return ranks, array("i", merged), injective  # 4 bytes a merged id, not an int object
 
 
 def _added_token_pattern(added_ids: dict[str, int]) -> "regex.Pattern":
@@ -493,6 +500,13 @@ def _pinned_split_pattern() -> str:
 # Byte-level character -> the Latin-1 character of its byte; every other Latin-1 character
 # -> U+FFFF, so that a token holding one fails the Latin-1 encode in _token_bytes.
 _UNSPELL = {c: 0xFFFF for c in range(256)} | {ord(c): b for c, b in _CHAR_TO_BYTE.items()}
+
+
+def _bytes_table(tokens: tuple[str, ...], token_types: tuple[int, ...]) -> tuple[bytes, array]:
+    """Every id's bytes (_token_bytes) in one blob: id i's are blob[at[i]:at[i + 1]]. A list
+    of bytes objects would take ~7 MiB at Qwen3's vocabulary, the blob and offsets ~2."""
+    pieces = [_token_bytes(t, ty) for t, ty in zip(tokens, token_types)]
+    return b"".join(pieces), array("I", accumulate(map(len, pieces), initial=0))
 
 
 def _token_bytes(token: str, token_type: int) -> bytes:

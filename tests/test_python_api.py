@@ -64,6 +64,20 @@ def test_a_backend_without_its_package_names_the_extra(backend, package, extra, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_load_builds_the_tokenizer_before_placing_the_weights(artifacts, monkeypatch):
+    """The tokenizer's tables take ~40 MiB of scratch to build at Qwen3's vocabulary: built
+    first, that scratch is gone before the weights are resident (peak RSS), and only once."""
+    order = []
+    tokenizer, open_backend = kipp.model.Tokenizer, kipp.model.open_backend
+    monkeypatch.setattr(kipp.model, "Tokenizer",
+                        lambda data: order.append("tokenizer") or tokenizer(data))
+    monkeypatch.setattr(kipp.model, "open_backend",
+                        lambda *a, **k: order.append("backend") or open_backend(*a, **k))
+    model = load(artifacts(TINY, "bf16"), backend="reference", progress=False)
+    assert order == ["tokenizer", "backend"]
+    assert model.tokenizer.decode(model.tokenizer.encode("Hello world")) == "Hello world"
+
+
 def test_a_hugging_face_folder_gets_a_hint_to_convert(tiny_dir, tmp_path):
     with pytest.raises(KippError, match="Hugging Face folder, not a Kipp artifact: convert it "
                                         "first \\(kipp convert"):
