@@ -6,6 +6,7 @@ budget. Both modes are gated against the reference; the choice and its reason ar
 describe(). Peak RSS and decode speed of both at the 0.6B shape are bench records.
 """
 
+import subprocess
 import sys
 
 import numpy as np
@@ -378,7 +379,7 @@ def test_cli_flag_reaches_load(artifacts, capsys):
 def test_trim_heap_returns_freed_heap_memory():
     """What a compile or the packing frees stays in glibc's heap, resident, until trimmed
     (planted: trim_heap a no-op, nothing came back)."""
-    if memory._malloc_trim() is None:
+    if memory._libc_function("malloc_trim") is None:
         pytest.skip("not glibc")
 
     def anon_kib():
@@ -392,3 +393,32 @@ def test_trim_heap_returns_freed_heap_memory():
     memory.trim_heap()
     assert freed - anon_kib() > 100 * 1024, (freed, anon_kib())
     del keep
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap, /proc")
+def test_large_blocks_go_back_to_the_os_when_freed():
+    """After a 16 MiB block is freed glibc serves blocks up to that size from its heap and keeps
+    them resident when freed (XLA's per-execution temporaries stayed so, one per thread); after
+    return_large_blocks they leave on free (planted: a no-op, 0 MiB came back). In its own
+    process: the setting is process-wide."""
+    code = (
+        "import sys\n"
+        "from kipp import memory\n"
+        "def anon_mib():\n"
+        "    with open('/proc/self/status') as f:\n"
+        "        return next(int(l.split()[1]) for l in f if l.startswith('RssAnon:')) / 1024\n"
+        "if sys.argv[1] == 'fixed':\n"
+        "    memory.return_large_blocks()\n"
+        "big = bytearray(16 << 20)\n"
+        "del big\n"
+        "blocks = [bytearray(8 << 20) for _ in range(4)]\n"
+        "held = anon_mib()\n"
+        "del blocks[1:3]\n"
+        "print(held - anon_mib())\n")
+    if memory._libc_function("mallopt") is None:
+        pytest.skip("not glibc")
+    back = {mode: float(subprocess.run([sys.executable, "-c", code, mode], check=True,
+                                       capture_output=True, text=True).stdout)
+            for mode in ("default", "fixed")}
+    assert back["default"] < 4, back  # the premise: glibc's own behaviour keeps them
+    assert back["fixed"] > 15, back

@@ -93,6 +93,8 @@ class JaxBackend(Backend):
         self.cpu_attention = _cpu_attention(platform, mesh, self.choice.kernels, kv_scheme)
         lean = platform == "cpu" and mesh is None and self.memory.mode == "stored"
         self.compiler_options = dict(LEAN_CPU_COMPILE) if lean else {}
+        if platform == "cpu":
+            memory.return_large_blocks()  # XLA's temporaries leave when freed (kipp.memory)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
         self._programs: dict[rounds.Bucket, object] = {}
