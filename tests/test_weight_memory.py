@@ -150,7 +150,7 @@ def test_mlx_planes_twin_is_the_numpy_dequantizer(fmt):
 
 def test_jax_weight_memory(artifacts, monkeypatch):
     pytest.importorskip("jax")
-    from kipp.cuda.backend import JaxBackend
+    from kipp.cuda.backend import LEAN_CPU_COMPILE, JaxBackend
     from kipp.cuda.layout import float32_layout
 
     artifact = open_artifact(artifacts(UNTIED, "bf16"))
@@ -161,6 +161,8 @@ def test_jax_weight_memory(artifacts, monkeypatch):
     wide = JaxBackend(artifact, BLOCKS, weight_memory="float32")
     # float32 on one CPU device: Kipp's CPU matmul panels where it builds, else plain float32
     assert wide.layout == float32_layout("cpu") and wide.weight_bytes > 1.9 * stored.weight_bytes
+    # stored on a CPU compiles lean (test_jax_stored_steps_compile_lean_and_compute_the_same)
+    assert stored.compiler_options == LEAN_CPU_COMPILE and wide.compiler_options == {}
     assert JaxBackend(artifact, 2, weight_layout="device").memory.mode == "stored"
 
 
@@ -176,7 +178,6 @@ def test_jax_stored_steps_compile_lean_and_compute_the_same(artifacts, monkeypat
     artifact = open_artifact(artifacts(UNTIED, "bf16"))
     lean = jb.JaxBackend(artifact, BLOCKS, weight_memory="stored")
     assert lean.compiler_options == jb.LEAN_CPU_COMPILE
-    assert jb.JaxBackend(artifact, 2, weight_memory="float32").compiler_options == {}
     monkeypatch.setattr(jb, "LEAN_CPU_COMPILE", {})
     plain = jb.JaxBackend(artifact, BLOCKS, weight_memory="stored")
     prompt = tuple(int(t) for t in np.random.default_rng(5).integers(0, 151_643, 20))
