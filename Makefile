@@ -14,7 +14,8 @@ PYTHON_NEXT ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3
 VENV_NEXT ?= .venv312
 JAX_NEXT ?= 0.11.2
 JAX_TESTS ?= tests/test_jax_kernels.py tests/test_jax_backend.py tests/test_jax_sharding.py \
-	tests/test_cuda_compile.py tests/test_cpu_matmul.py tests/test_cpu_attention.py
+	tests/test_cuda_compile.py tests/test_cpu_matmul.py tests/test_cpu_attention.py \
+	tests/test_weight_memory.py
 
 .PHONY: run test test-slow test-jax-next metal-tools
 
