@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -77,26 +78,37 @@ def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int) -> We
                                   f"({budget / 2**30:.1f} GiB, half the available memory)")
 
 
-MMAP_THRESHOLD = 1 << 20  # bytes from which an allocation gets its own mapping
+STEP_MMAP_THRESHOLD = 1 << 20  # inside large_blocks_returned: blocks this large are mapped
+GLIBC_MMAP_CEILING = 32 << 20  # where glibc's own threshold settles (64-bit); trim: twice that
 
 
-def return_large_blocks() -> None:
-    """From now on every allocation of MMAP_THRESHOLD bytes or more gets its own mapping, which
-    goes back to the OS when freed (glibc's mallopt(M_MMAP_THRESHOLD); a no-op elsewhere).
-    Process-wide; the JAX backend calls it when it loads on a CPU.
+@contextlib.contextmanager
+def large_blocks_returned():
+    """Inside, every allocation of STEP_MMAP_THRESHOLD bytes or more gets its own mapping, which
+    goes back to the OS when freed; after, glibc's thresholds are where glibc itself settles
+    (mallopt; a no-op off glibc). The JAX backend on a CPU runs each step inside.
 
-    glibc starts at 128 KiB but raises the threshold to the size of each large block freed, so
-    after a load XLA's per-execution temporaries (25 MiB for a 16-token prefill at the 0.6B
-    shape) come from the executing thread's heap and stay resident there when freed: measured,
-    +25 MiB per prefill until each of XLA's threads held one (1,438 -> 1,496 MiB over three
-    prefills). With the threshold fixed: flat at 1,438 MiB, prefill time within 1% (16 and 128
-    tokens, interleaved)."""
+    Why: glibc raises its mmap threshold to the size of each large block freed, so after a load
+    XLA's per-execution temporaries (25 MiB for a 16-token prefill at the 0.6B shape) come from
+    the executing thread's heap, and a non-main heap keeps its top resident when freed (up to
+    twice the threshold; malloc_trim does not shrink it): measured, +25 MiB in each of the
+    first three prefills (1,446 -> 1,496 MiB); inside, flat at 1,447, prefill time within 1%.
+    Why only inside: a threshold fixed at 1 MiB for the whole process made numpy-heavy code
+    mmap and fault in every 1-32 MiB array (the reference-backend and scheduler tests: 82-99 s
+    -> 127-132 s)."""
     mallopt = _libc_function("mallopt")
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    if mallopt is None:
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_CEILING)
+        mallopt(_M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_CEILING)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def trim_heap() -> None:

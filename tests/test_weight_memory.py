@@ -397,29 +397,38 @@ def test_trim_heap_returns_freed_heap_memory():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap, /proc")
-def test_large_blocks_go_back_to_the_os_when_freed():
+def test_large_blocks_go_back_to_the_os_inside_a_step_only():
     """After a 16 MiB block is freed glibc serves blocks up to that size from its heap and keeps
-    them resident when freed (XLA's per-execution temporaries stayed so, one per thread); after
-    return_large_blocks they leave on free (planted: a no-op, 0 MiB came back). In its own
-    process: the setting is process-wide."""
+    them resident when freed (XLA's per-execution temporaries stayed so, one per thread); those
+    allocated inside large_blocks_returned leave on free (planted: a no-op, 0 MiB came back);
+    after it the process allocates as glibc does (planted: the threshold left at 1 MiB, 16 MiB
+    came back). In its own process: the setting is process-wide."""
     code = (
         "import sys\n"
         "from kipp import memory\n"
         "def anon_mib():\n"
         "    with open('/proc/self/status') as f:\n"
         "        return next(int(l.split()[1]) for l in f if l.startswith('RssAnon:')) / 1024\n"
-        "if sys.argv[1] == 'fixed':\n"
-        "    memory.return_large_blocks()\n"
         "big = bytearray(16 << 20)\n"
         "del big\n"
-        "blocks = [bytearray(8 << 20) for _ in range(4)]\n"
+        "def blocks():\n"
+        "    return [bytearray(8 << 20) for _ in range(4)]\n"
+        "if sys.argv[1] == 'inside':\n"
+        "    with memory.large_blocks_returned():\n"
+        "        made = blocks()\n"
+        "else:\n"
+        "    if sys.argv[1] == 'after':\n"
+        "        with memory.large_blocks_returned():\n"
+        "            pass\n"
+        "    made = blocks()\n"
         "held = anon_mib()\n"
-        "del blocks[1:3]\n"
+        "del made[1:3]\n"
         "print(held - anon_mib())\n")
     if memory._libc_function("mallopt") is None:
         pytest.skip("not glibc")
     back = {mode: float(subprocess.run([sys.executable, "-c", code, mode], check=True,
                                        capture_output=True, text=True).stdout)
-            for mode in ("default", "fixed")}
+            for mode in ("default", "inside", "after")}
     assert back["default"] < 4, back  # the premise: glibc's own behaviour keeps them
-    assert back["fixed"] > 15, back
+    assert back["inside"] > 15, back
+    assert back["after"] < 4, back

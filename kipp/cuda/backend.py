@@ -31,6 +31,7 @@ collectives. Sharded runs use the twins.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -93,8 +94,9 @@ class JaxBackend(Backend):
         self.cpu_attention = _cpu_attention(platform, mesh, self.choice.kernels, kv_scheme)
         lean = platform == "cpu" and mesh is None and self.memory.mode == "stored"
         self.compiler_options = dict(LEAN_CPU_COMPILE) if lean else {}
-        if platform == "cpu":
-            memory.return_large_blocks()  # XLA's temporaries leave when freed (kipp.memory)
+        # on a CPU XLA's temporaries are host memory: each step returns them (kipp.memory)
+        self._step_memory = (memory.large_blocks_returned if platform == "cpu"
+                             else contextlib.nullcontext)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
         self._programs: dict[rounds.Bucket, object] = {}
@@ -202,8 +204,10 @@ class JaxBackend(Backend):
         for pieces in rounds.plan_rounds(items, self.max_round_tokens):
             bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks)
             program = self._program(bucket, arrays)
-            logits, self.kv = program(self.params, self.kv, self.rope,
-                                      jax.device_put(arrays, self._replicated))
+            with self._step_memory():
+                logits, self.kv = program(self.params, self.kv, self.rope,
+                                          jax.device_put(arrays, self._replicated))
+                jax.block_until_ready(logits)  # the step's temporaries were allocated inside
             if dests:
                 host = np.asarray(logits)  # [R, vocab]; rows past len(dests) are padding
                 for row, (item, index) in enumerate(dests):
