@@ -91,8 +91,8 @@ def large_blocks_returned():
     Why: glibc raises its mmap threshold to the size of each large block freed, so after a load
     XLA's per-execution temporaries (25 MiB for a 16-token prefill at the 0.6B shape) come from
     the executing thread's heap, and a non-main heap keeps its top resident when freed (up to
-    twice the threshold; malloc_trim does not shrink it): measured, +25 MiB in each of the
-    first three prefills (1,446 -> 1,496 MiB); inside, flat at 1,447, prefill time within 1%.
+    twice the threshold; a malloc_trim after each run left it): measured, +25 MiB in the second
+    and in the third prefill (1,446 -> 1,496 MiB); inside, flat at 1,447, prefill within 1%.
     Why only inside: a threshold fixed at 1 MiB for the whole process made numpy-heavy code
     mmap and fault in every 1-32 MiB array (the reference-backend and scheduler tests: 82-99 s
     -> 127-132 s)."""
