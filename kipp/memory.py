@@ -25,6 +25,11 @@ from kipp.errors import KippError
 
 WEIGHT_MEMORY = ("auto", "stored", "float32")
 BUDGET_FRACTION = 0.5  # of the available memory: room for the KV slab, activations, the OS
+STEP_MMAP_THRESHOLD = 1 << 20  # inside large_blocks_returned: blocks this large are mapped
+GLIBC_MMAP_CEILING = 32 << 20  # where glibc's own threshold stops rising (64-bit); trim: twice
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
+# a user's own glibc malloc settings, which large_blocks_returned leaves alone
+_USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 @dataclass(frozen=True)
@@ -78,15 +83,14 @@ def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int) -> We
                                   f"({budget / 2**30:.1f} GiB, half the available memory)")
 
 
-STEP_MMAP_THRESHOLD = 1 << 20  # inside large_blocks_returned: blocks this large are mapped
-GLIBC_MMAP_CEILING = 32 << 20  # where glibc's own threshold settles (64-bit); trim: twice that
-
-
 @contextlib.contextmanager
 def large_blocks_returned():
     """Inside, every allocation of STEP_MMAP_THRESHOLD bytes or more gets its own mapping, which
-    goes back to the OS when freed; after, glibc's thresholds are where glibc itself settles
-    (mallopt; a no-op off glibc). The JAX backend on a CPU runs each step inside.
+    goes back to the OS when freed; after, the mmap threshold is GLIBC_MMAP_CEILING and the trim
+    threshold twice that, where glibc's own adjustment stops (mallopt). The JAX backend on a CPU
+    runs each step inside. Process-wide: from the first use on, glibc no longer adjusts its
+    thresholds by itself. A no-op off glibc, and where the user set glibc's malloc thresholds
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc tunables).
 
     Why: glibc raises its mmap threshold to the size of each large block freed, so after a load
     XLA's per-execution temporaries (25 MiB for a 16-token prefill at the 0.6B shape) come from
@@ -97,7 +101,7 @@ def large_blocks_returned():
     mmap and fault in every 1-32 MiB array (the reference-backend and scheduler tests: 82-99 s
     -> 127-132 s)."""
     mallopt = _libc_function("mallopt")
-    if mallopt is None:
+    if mallopt is None or _user_malloc_settings():
         yield
         return
     mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)
@@ -108,7 +112,9 @@ def large_blocks_returned():
         mallopt(_M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_CEILING)
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+def _user_malloc_settings() -> bool:
+    return (any(name in os.environ for name in _USER_MALLOC_SETTINGS)
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
 
 
 def trim_heap() -> None:

@@ -31,7 +31,6 @@ collectives. Sharded runs use the twins.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -94,9 +93,7 @@ class JaxBackend(Backend):
         self.cpu_attention = _cpu_attention(platform, mesh, self.choice.kernels, kv_scheme)
         lean = platform == "cpu" and mesh is None and self.memory.mode == "stored"
         self.compiler_options = dict(LEAN_CPU_COMPILE) if lean else {}
-        # on a CPU XLA's temporaries are host memory: each step returns them (kipp.memory)
-        self._step_memory = (memory.large_blocks_returned if platform == "cpu"
-                             else contextlib.nullcontext)
+        self.cpu_steps = platform == "cpu"  # XLA's temporaries are host memory (_run)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
         self._programs: dict[rounds.Bucket, object] = {}
@@ -203,16 +200,24 @@ class JaxBackend(Backend):
         outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
         for pieces in rounds.plan_rounds(items, self.max_round_tokens):
             bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks)
-            program = self._program(bucket, arrays)
-            with self._step_memory():
-                logits, self.kv = program(self.params, self.kv, self.rope,
-                                          jax.device_put(arrays, self._replicated))
-                jax.block_until_ready(logits)  # the step's temporaries were allocated inside
+            logits, self.kv = self._run(self._program(bucket, arrays), arrays)
             if dests:
                 host = np.asarray(logits)  # [R, vocab]; rows past len(dests) are padding
                 for row, (item, index) in enumerate(dests):
                     outputs[item][index] = host[row]
         return outputs
+
+    def _run(self, program, arrays: rounds.RoundArrays):
+        """(logits, KV) of one compiled step. On a CPU the step runs to its end inside
+        kipp.memory.large_blocks_returned, so XLA's temporaries (host memory there) go back to
+        the OS when freed; a GPU's steps are not waited on here."""
+        args = (self.params, self.kv, self.rope, jax.device_put(arrays, self._replicated))
+        if not self.cpu_steps:
+            return program(*args)
+        with memory.large_blocks_returned():
+            logits, kv = program(*args)
+            jax.block_until_ready(logits)  # its temporaries were allocated inside
+        return logits, kv
 
     def _program(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
         program = self._programs.get(bucket)
@@ -252,9 +257,7 @@ class JaxBackend(Backend):
                                               self.num_blocks)
         arrays = arrays._replace(slots=np.full_like(arrays.slots, self.num_blocks * KV_BLOCK))
         try:
-            program = self._program(bucket, arrays)
-            logits, self.kv = program(self.params, self.kv, self.rope,
-                                      jax.device_put(arrays, self._replicated))
+            logits, self.kv = self._run(self._program(bucket, arrays), arrays)
             jax.block_until_ready(logits)
         except probe.KernelError:
             raise
@@ -332,8 +335,9 @@ def _cpu_attention(platform: str, mesh, kernels: bool, kv_scheme: str) -> bool:
 
 
 def _compile_with(lowered: jax.stages.Lowered, options: dict) -> jax.stages.Compiled:
-    """lowered.compile() with XLA compiler `options`, less any this jaxlib does not know: the
-    first rejection is logged and remembered for the process, and the step compiles without."""
+    """lowered.compile() with XLA compiler `options`; if this jaxlib rejects them as unknown
+    (Kipp passes one at a time), that is logged once and remembered for the process, and the
+    step compiles without them."""
     options = {k: v for k, v in options.items() if k not in _UNKNOWN_OPTIONS}
     if options:
         try:
