@@ -112,7 +112,9 @@ def large_blocks_returned():
         mallopt(_M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_CEILING)
 
 
+@functools.lru_cache(maxsize=None)
 def _user_malloc_settings() -> bool:
+    """Whether the user set glibc's malloc thresholds: glibc reads them once, at start-up."""
     return (any(name in os.environ for name in _USER_MALLOC_SETTINGS)
             or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
 

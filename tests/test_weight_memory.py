@@ -436,8 +436,9 @@ def test_large_blocks_go_back_to_the_os_inside_a_step_only():
     assert back["after"] < 4, back
 
 
-def test_large_blocks_leave_a_users_malloc_settings_alone(monkeypatch):
+def test_large_blocks_leave_a_users_malloc_settings_alone(monkeypatch, request):
     """A user who set glibc's thresholds keeps them: the context then sets nothing."""
+    request.addfinalizer(memory._user_malloc_settings.cache_clear)  # read with this test's env
     calls = []
     monkeypatch.setattr(memory, "_libc_function", lambda name: lambda *args: calls.append(args))
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
@@ -446,9 +447,11 @@ def test_large_blocks_leave_a_users_malloc_settings_alone(monkeypatch):
                         ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")):
         with monkeypatch.context() as env:
             env.setenv(name, value)
+            memory._user_malloc_settings.cache_clear()
             with memory.large_blocks_returned():
                 pass
     assert calls == []
+    memory._user_malloc_settings.cache_clear()
     with memory.large_blocks_returned():
         assert calls == [(-3, memory.STEP_MMAP_THRESHOLD)]
     assert calls[1:] == [(-3, memory.GLIBC_MMAP_CEILING), (-1, 2 * memory.GLIBC_MMAP_CEILING)]

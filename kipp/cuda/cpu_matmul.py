@@ -20,9 +20,10 @@ the JAX headers, for this CPU (-march=native), into $KIPP_HOME/build, keyed by s
 JAX version and CPU; then registered as an FFI target. The same library holds Kipp's CPU decode
 attention (kipp/cuda/cpu_attention.cc, wrapped by kipp.cuda.cpu_attention), and both sources
 share kipp/cuda/cpu_kernels.h: this module builds and loads it for both. Each output is one FMA
-chain over k, so a row's result is bitwise the same alone or in a batch. When no compiler is found or the build
-fails, `available()` says why, and JaxBackend keeps the plain float32 layout and XLA's dot (it
-logs the reason and says so in describe()). KIPP_JAX_CPU_MATMUL=0 turns the kernel off (A/B).
+chain over k, so a row's result is bitwise the same alone or in a batch. When no compiler is
+found or the build fails, `available()` says why, and JaxBackend keeps the plain float32 layout
+and XLA's dot (it logs the reason and says so in describe()). KIPP_JAX_CPU_MATMUL=0 turns the
+kernel off (A/B).
 
 Twin: `matmul_reference`, x @ unpack(panels)^T with jnp.dot; tests compare kernel, twin and numpy.
 """

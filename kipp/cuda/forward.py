@@ -13,10 +13,10 @@ twins' decode rounds over a BF16 slab run Kipp's CPU attention (kipp.cuda.cpu_at
 KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as
 uint16 bits on XLA's CPU, whose BF16 scatter widens the whole buffer to float32 and back), or
 with the q8_0 KV scheme a `layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated
-to the step so XLA updates it in place. When the parameters' "layers" are stacked (a dict of `[layers, ...]` arrays: the
-CPU twins' stored and panel layouts, kipp.cuda.layout) the slab is one stacked (K, V) pair
-`[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one layer over the stacks, the
-slab carried through it and written in place.
+to the step so XLA updates it in place. When the parameters' "layers" are stacked (a dict of
+`[layers, ...]` arrays: the CPU twins' stored and panel layouts, kipp.cuda.layout) the slab is
+one stacked (K, V) pair `[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one
+layer over the stacks, the slab carried through it and written in place.
 """
 
 from __future__ import annotations
