@@ -76,16 +76,16 @@ def _threads(value: int | None) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from kipp import store
+    from kipp.formats import store
 
     folder = store.source_folder(args.checkpoint)
     print(f"source: {folder}")
     for scheme in _list(args.schemes):
         print(f"{scheme}: {store.ensure_artifact(args.checkpoint, scheme)}")
     if args.mlx:
-        from bench.arms import MLX_OWN_QUANT, mlx_quant_path
-
         from mlx_lm import convert
+
+        from bench.arms import MLX_OWN_QUANT, mlx_quant_path
 
         for scheme, (_, bits) in MLX_OWN_QUANT.items():
             out = mlx_quant_path(args.checkpoint, scheme)

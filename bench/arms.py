@@ -91,7 +91,7 @@ def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends:
     """Every arm to run, grouped by scheme in `schemes` order, engines in the order given.
     `weight_memory` ("stored", "float32"): one Kipp arm per backend and mode (kipp.memory);
     none given: each backend's own choice ("auto")."""
-    from kipp import store
+    from kipp.formats import store
 
     expect_paths = expect_paths or {}
     arms = []
@@ -116,7 +116,7 @@ def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends:
 
 def _source(checkpoint: str) -> str:
     """The checkpoint's Hugging Face folder (a synthetic one is generated on first use)."""
-    from kipp import store
+    from kipp.formats import store
 
     return str(store.source_folder(checkpoint))
 
@@ -126,7 +126,7 @@ MLX_OWN_QUANT = {"q8_0": ("q8g32", 8), "affine4_gs32": ("q4g32", 4)}
 
 def mlx_quant_path(checkpoint: str, scheme: str, root: Path | None = None) -> Path:
     """Where `python -m bench prepare --mlx` puts mlx-lm's own conversion for `scheme`."""
-    from kipp import registry, store
+    from kipp.formats import registry, store
 
     entry = registry.get(checkpoint)
     root = root or store.home() / "bench" / "mlx"

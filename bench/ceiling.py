@@ -6,7 +6,7 @@ in cache, which a 32 MiB L3 cannot do for a 0.6B model). The bandwidth is measur
 same session as the engines, by streaming a large array through numpy reductions on every
 usable core; several reduction kernels are tried because some are compute-bound on one core,
 and the best kernel's median is the ceiling. Bytes per token come from the artifact's tensor
-table (`kipp.artifact.expected_tensors`), so they are the bytes each scheme really stores.
+table (`kipp.formats.artifact.expected_tensors`), so they are the bytes each scheme really stores.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def measure_bandwidth(size_mb: int = 1024, runs: int = 7, threads: int | None = 
 def decode_bytes_per_token(checkpoint: str, scheme: str, context: int) -> dict:
     """Bytes one decode step streams: every layer tensor, the final norm, the output head (the
     embedding when tied), one embedding row, and K and V of `context` positions."""
-    from kipp import registry
-    from kipp.artifact import expected_tensors
-    from kipp.gguf import tensor_nbytes
-    from kipp.quant import scheme as get_scheme
+    from kipp.formats import registry
+    from kipp.formats.artifact import expected_tensors
+    from kipp.formats.gguf import tensor_nbytes
+    from kipp.formats.quant import scheme as get_scheme
 
     entry = registry.get(checkpoint)
     specs = expected_tensors(entry, get_scheme(scheme))

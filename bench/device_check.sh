@@ -58,7 +58,7 @@ stage gates-twins 30 env KIPP_JAX_TWINS=1 "$PY" -m pytest -q -p no:cacheprovider
   tests/test_jax_backend.py -k "test_jax_matches_reference and (bf16 or q8_0)"
 
 artifact() {  # the artifact path of $CHECKPOINT in scheme $1
-  "$PY" -c "from kipp.store import artifact_path as p; print(p('$CHECKPOINT', '$1'))"
+  "$PY" -c "from kipp.formats.store import artifact_path as p; print(p('$CHECKPOINT', '$1'))"
 }
 BENCH=(-m kipp.cuda.bench --prompt 256 --decode 48 --kv-tokens 8192 --json "$LOGS/bench.jsonl")
 

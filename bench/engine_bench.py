@@ -43,7 +43,7 @@ from pathlib import Path
 from bench import provenance, records
 from bench.engines.base import ArmSpec
 from bench.process import ArmProcess, WorkerError
-from bench.server_bench import (PromptBook, aggregate_round, end_token_ids, stream_completion)
+from bench.server_bench import PromptBook, aggregate_round, end_token_ids, stream_completion
 from bench.servers import RunningServer, kipp_server, log
 from bench.stats import summarize
 
@@ -123,7 +123,7 @@ class Under:
 def start(config: EngineBenchConfig, under: Under) -> tuple[RunningServer, ArmProcess, dict]:
     """The server and the worker, loaded and path-checked; info for the records."""
     from bench.fallback import check_kernel_path
-    from kipp import store
+    from kipp.formats import store
 
     artifact = config.artifact or str(store.ensure_artifact(config.checkpoint, config.scheme))
     spec = kipp_server(artifact, backend=config.backend, python=_python(), threads=config.threads,

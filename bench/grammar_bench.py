@@ -12,7 +12,7 @@ prefill steps are excluded). Arms, interleaved in every round:
 - json-ahead: the same, the step's next masks computed in one task on the grammar worker
   thread while the backend evaluates (Scheduler(masks_ahead=True)).
 The scheduler's default is json-ahead where the backend evaluates off the host CPU and json-sync
-on a CPU backend (kipp.grammar.masks_ahead); the goal applies to the default. The value is
+on a CPU backend (kipp.text.grammar.masks_ahead); the goal applies to the default. The value is
 seconds per decode step (all streams advance one token); the overhead is the median over rounds
 of each round's arm / plain ratio of the median step, with its MAD. Goal (issue 19): <= 1.05.
 
@@ -55,9 +55,9 @@ GOAL = 1.05
 
 def run_arm(model, prompt: list[int], streams: int, tokens: int, arm: str, seed: int) -> dict:
     """One arm: `streams` requests through a Scheduler; the decode steps' durations."""
-    from kipp import grammar
-    from kipp.sampling import SamplingParams
-    from kipp.scheduler import Request, Scheduler, collect
+    from kipp.engine.scheduler import Request, Scheduler, collect
+    from kipp.text import grammar
+    from kipp.text.sampling import SamplingParams
 
     constraint = None if arm == "plain" else grammar.json_schema_grammar(SCHEMA)
     scheduler = Scheduler(model, max_batch=max(8, streams), masks_ahead=arm == "json-ahead")
@@ -67,8 +67,8 @@ def run_arm(model, prompt: list[int], streams: int, tokens: int, arm: str, seed:
     spent = [0.0]
     for name, method in originals.items():
         setattr(grammar.Matcher, name, _timed(method, spent))
-    scheduler_prefetch = sys.modules["kipp.scheduler"].prefetch
-    sys.modules["kipp.scheduler"].prefetch = _timed(scheduler_prefetch, spent)
+    scheduler_prefetch = sys.modules["kipp.engine.scheduler"].prefetch
+    sys.modules["kipp.engine.scheduler"].prefetch = _timed(scheduler_prefetch, spent)
     steps, grammar_s = [], []
     try:
         while True:
@@ -84,7 +84,7 @@ def run_arm(model, prompt: list[int], streams: int, tokens: int, arm: str, seed:
     finally:
         for name, method in originals.items():
             setattr(grammar.Matcher, name, method)
-        sys.modules["kipp.scheduler"].prefetch = scheduler_prefetch
+        sys.modules["kipp.engine.scheduler"].prefetch = scheduler_prefetch
     outputs = [collect(t) for t in tickets]
     generated = [len(out[0][0]) for out in outputs]
     if constraint is not None:
@@ -108,7 +108,7 @@ def _timed(function, spent: list):
 
 
 def _check_grammar(model, constraint, outputs: list[list[int]]) -> None:
-    from kipp import grammar
+    from kipp.text import grammar
 
     tokenizer = grammar.grammar_tokenizer(model.tokenizer, model.entry.stop_token_ids)
     for tokens in outputs:
@@ -119,8 +119,8 @@ def _check_grammar(model, constraint, outputs: list[list[int]]) -> None:
 
 def pieces(model, prompt: list[int], repeats: int = 200) -> dict:
     """Median microseconds of one mask computation and of one sample with/without a mask."""
-    from kipp import grammar
-    from kipp.sampling import Sampler, SamplingParams
+    from kipp.text import grammar
+    from kipp.text.sampling import Sampler, SamplingParams
 
     with model.session(64) as session:
         logits = session.eval(prompt)[0]  # real logits (float32 [vocab])
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     results, order = measure(model, prompt, streams_list, args.tokens, args.warmup, args.runs)
     parts = pieces(model, prompt)
-    from kipp.grammar import masks_ahead
+    from kipp.text.grammar import masks_ahead
 
     summary = summarize(results, streams_list, args.warmup, parts, masks_ahead(model.backend))
     command = "python -m bench.grammar_bench " + " ".join(

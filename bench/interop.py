@@ -40,7 +40,7 @@ def compare(checkpoint: str, schemes: Sequence[str], n_prompts: int = 4, length:
             threads: int = 2) -> dict:
     """{scheme: result} for every scheme; results say loaded or not, and agreement."""
     import kipp
-    from kipp import store
+    from kipp.formats import store
     from kipp.gates import nmse
 
     prompt_list = [prompts.prompt(length, offset=i * 997) for i in range(n_prompts)]

@@ -3,7 +3,7 @@
 roofline estimate, to bench/results/<time>-kernels-h200.json; then render bench/README.md's
 kernel tables from the newest such file (`--render-only` skips the compile).
 
-Per kernel and shape (kipp.cuda.kernel_shapes): registers, spill stores and loads, stack
+Per kernel and shape (kipp.cuda.pallas.kernel_shapes): registers, spill stores and loads, stack
 frame, dynamic shared memory, tensor-core instructions in the PTX, compile seconds, and the
 FLOPs and bytes the call must do. Roofline time = max(bytes / 4.8 TB/s, FLOPs / peak), where
 peak is the H200's dense BF16 tensor rate for kernels whose PTX holds BF16 tensor-core
@@ -77,8 +77,8 @@ def _brief(row: dict) -> str:
 def predictions(rows: list[dict]) -> list[dict]:
     """Predicted decode (1 sequence, 2,048 positions) and prefill (a 512-token chunk) tok/s
     per checkpoint and weight format, from the kernels' roofline times."""
-    from kipp import registry
-    from kipp.cuda import kernel_shapes as ks
+    from kipp.cuda.pallas import kernel_shapes as ks
+    from kipp.formats import registry
 
     out = []
     for size in PREDICTED:
@@ -95,7 +95,7 @@ def predictions(rows: list[dict]) -> list[dict]:
 
 
 def _step_seconds(rows, entry, fmt, m, attention, prefix):
-    from kipp.cuda import kernel_shapes as ks
+    from kipp.cuda.pallas import kernel_shapes as ks
 
     by_shape = {(r["kernel"], r["variant"], r["shape"]): r for r in rows}
     calls = {"q": 1, "k/v": 2, "o": 1, "gate/up": 2, "down": 1}
@@ -247,7 +247,8 @@ def update_readme(rec: dict, readme: Path = README) -> None:
 
 
 def main(args, command: str) -> int:
-    from kipp.cuda import aot, kernel_shapes as ks
+    from kipp.cuda import aot
+    from kipp.cuda.pallas import kernel_shapes as ks
 
     if not args.render_only:
         reason = aot.unavailable_reason()

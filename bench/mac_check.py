@@ -5,7 +5,7 @@ whole model on the Metal kernels against the reference backend (bench/mac_check.
     python -m bench.mac_check gates       # whole model, kernels on, every scheme
 
 Each row prints the NMSE of the kernel against the reference (numpy in float64 on the weights
-kipp.quant decodes; for attention, the gathered-page twin), of the twin against the same, and
+kipp.formats.quant decodes; for attention, the gathered-page twin), of the twin against the same, and
 the median time of each over a few runs (after one warm-up that compiles the kernel). Exit
 status 1 when any row misses its bound. Without Metal it says so and exits 2: there is nothing
 to compare.
@@ -37,8 +37,8 @@ def _median_ms(fn, runs: int = 5) -> float:
 def _linear_rows(rng) -> list[tuple]:
     import mlx.core as mx
 
-    from kipp import quant
     from kipp.apple import linear, repack
+    from kipp.formats import quant
 
     rows = []
     for fmt in linear.FORMATS:
@@ -69,9 +69,9 @@ def _linear_rows(rng) -> list[tuple]:
 def _attention_rows(rng) -> list[tuple]:
     import mlx.core as mx
 
-    from kipp import kvquant
     from kipp.apple import attention
     from kipp.apple.kvcache import dequantize_q8_0
+    from kipp.formats import kvquant
 
     rows = []
     for kv in ("bf16", "q8_0"):
@@ -148,10 +148,10 @@ def gates() -> int:
     """Whole model on the kernels vs the reference: prefill (every position) and decode."""
     from kipp import gates as g
     from kipp.apple.backend import MLXBackend
-    from kipp.artifact import open_artifact
     from kipp.backend import EvalItem
+    from kipp.formats.artifact import open_artifact
+    from kipp.formats.store import ensure_artifact
     from kipp.reference.backend import ReferenceBackend
-    from kipp.store import ensure_artifact
 
     print(f"{'checkpoint':<34} {'scheme':<13} {'KV':<5} {'worst NMSE':>11} {'argmax':>8}  verdict")
     failed = 0

@@ -100,9 +100,8 @@ def load_models(checkpoint: str, schemes: Sequence[str], backend: str, kv_tokens
                 expect_path=None) -> tuple[dict, dict]:
     """({scheme: Model}, {scheme: describe()}) from the prepared artifacts, fallback-checked."""
     import kipp
-    from kipp import store
-
     from bench.fallback import check_kernel_path
+    from kipp.formats import store
 
     models, described = {}, {}
     for scheme in schemes:

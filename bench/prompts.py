@@ -24,8 +24,8 @@ def corpus_tokens(path: Path = CORPUS) -> tuple[int, ...]:
     """The corpus through Kipp's tokenizer (the Qwen3 vocabulary every engine shares)."""
     import tempfile
 
-    from kipp.tokenizer import Tokenizer
-    from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
+    from kipp.text.tokenizer import Tokenizer
+    from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
     with tempfile.TemporaryDirectory() as folder:
         tokenizer_json = Path(folder) / "tokenizer.json"

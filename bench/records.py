@@ -44,7 +44,7 @@ def new(kind: str, command: str, checkpoint: dict, provenance: dict, **fields) -
 
 
 def checkpoint_block(checkpoint_id: str) -> dict:
-    from kipp import registry
+    from kipp.formats import registry
 
     entry = registry.get(checkpoint_id)
     return {"id": entry.id, "revision": entry.revision, "parameters": entry.parameter_count,

@@ -50,8 +50,18 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench import provenance, records
-from bench.servers import (SERVERS, RunningServer, ServerError, ServerSpec, importable,
-                           interpreter_versions, kipp_server, llama_cpp_server, log, vllm_server)
+from bench.servers import (
+    SERVERS,
+    RunningServer,
+    ServerError,
+    ServerSpec,
+    importable,
+    interpreter_versions,
+    kipp_server,
+    llama_cpp_server,
+    log,
+    vllm_server,
+)
 from bench.stats import median, summarize
 
 # Tokens that end a generation in llama.cpp's Qwen3 vocabulary (its end-of-generation set) and in
@@ -118,8 +128,8 @@ def _tokenizer():
     """Kipp's tokenizer with the base config (the Qwen3 vocabulary every server shares)."""
     import tempfile
 
-    from kipp.tokenizer import Tokenizer
-    from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
+    from kipp.text.tokenizer import Tokenizer
+    from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
     with tempfile.TemporaryDirectory() as folder:
         tokenizer_json = Path(folder) / "tokenizer.json"
@@ -364,7 +374,7 @@ def default_python(engine: str) -> str:
 
 
 def build_specs(config: ServerBenchConfig) -> list[ServerSpec]:
-    from kipp import store
+    from kipp.formats import store
 
     artifact = config.artifact
     if artifact is None and ({"kipp", "llama_cpp", "llama_cpp_cache"} & set(config.servers)):

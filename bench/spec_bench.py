@@ -12,7 +12,7 @@ speed-up is the median over rounds of each round's spec / plain ratio, with its 
 run must emit exactly the plain run's tokens, or the record says so and the command fails.
 
 What the texts are, on a synthetic checkpoint. Its greedy tokens follow a designed rule of the
-last three tokens (kipp.synthetic.designed_rule): from three live tokens, greedy text walks a
+last three tokens (kipp.synthetic.writer.designed_rule): from three live tokens, greedy text walks a
 fixed chain, and the model never copies from its context. A real model's "copy-heavy" text
 (editing code, quoting a document, re-stating a list) is text whose continuation already sits
 in the context. The synthetic equivalent is a prompt that holds the chain the model is about to
@@ -49,7 +49,7 @@ TARGETS = {"copy": 1.8, "code": 0.9, "random": 0.9}
 
 def prompts(model, tokens: int, seed: int = 0) -> dict[str, list[int]]:
     """The three texts for a synthetic checkpoint (module docstring)."""
-    from kipp.synthetic import designed_rule, live_token_ids
+    from kipp.synthetic.writer import designed_rule, live_token_ids
 
     rng = np.random.default_rng(seed)
     noise = [int(t) for t in rng.integers(0, 151_643, 64)]

@@ -26,8 +26,8 @@ from pathlib import Path  # noqa: E402
 
 import tokenizers  # noqa: E402
 
-from kipp.tokenizer import Tokenizer  # noqa: E402
-from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes  # noqa: E402
+from kipp.text.tokenizer import Tokenizer  # noqa: E402
+from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "tokenizer_corpus.jsonl"
 

@@ -28,8 +28,15 @@ from typing import Sequence
 import numpy as np
 
 from kipp.errors import KippError
+from kipp.formats.registry import VOCAB_SIZE
 from kipp.probe import KernelReport
-from kipp.registry import KV_BLOCK, VOCAB_SIZE
+
+KV_BLOCK = 32  # positions per physical KV block: position p is row p % 32 of table[p // 32]
+
+
+def blocks_needed(num_positions: int) -> int:
+    """Blocks covering positions [0, num_positions)."""
+    return -(-num_positions // KV_BLOCK)
 
 
 class EvalError(KippError, ValueError):
@@ -107,7 +114,7 @@ class Backend(ABC):
             if item.end_position > self._num_blocks * KV_BLOCK:  # a table repeating a block
                 raise EvalError(f"position {item.end_position - 1} is past what the KV slab "
                                 f"holds ({self._num_blocks * KV_BLOCK} tokens)")
-            used = item.block_table[: -(-item.end_position // KV_BLOCK)]
+            used = item.block_table[: blocks_needed(item.end_position)]
             bad = [b for b in used if not 0 <= b < self._num_blocks]
             if bad:
                 raise EvalError(f"block id {bad[0]} is outside the KV slab 0..{self._num_blocks - 1}")

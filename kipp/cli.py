@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kipp.errors import KippError, missing_extra, require
 from kipp.model import BACKENDS, KV_SCHEMES, Model
-from kipp.sampling import SamplingError, SamplingParams
+from kipp.text.sampling import SamplingError, SamplingParams
 
 SCHEME_NAMES = ("bf16", "q8_0", "affine4_gs32", "scale4_gs32")
 KV_SCHEME_NAMES = KV_SCHEMES
@@ -32,20 +32,20 @@ def _api_default(method, name: str):
 
 
 def _synthesize(args) -> None:
-    from kipp.synthetic import synthesize
+    from kipp.synthetic.writer import synthesize
 
     folder = synthesize(args.checkpoint, args.out)
     print(folder)
 
 
 def _download(args) -> None:
-    from kipp.download import download
+    from kipp.formats.download import download
 
     print(download(args.checkpoint, revision=args.revision, cache_dir=args.cache_dir))
 
 
 def _convert(args) -> None:
-    from kipp.convert import convert
+    from kipp.formats.convert import convert
 
     if args.out.exists() and not args.force:
         raise KippError(f"{args.out} exists; pass --force to overwrite it")
@@ -55,7 +55,7 @@ def _convert(args) -> None:
 
 
 def _prepare(args) -> None:
-    from kipp.store import ensure_artifact
+    from kipp.formats.store import ensure_artifact
 
     _describe(ensure_artifact(args.checkpoint, args.scheme, progress=not args.quiet))
 
@@ -68,7 +68,7 @@ def _inspect(args) -> None:
 
 
 def _describe(path) -> None:
-    from kipp.artifact import open_artifact
+    from kipp.formats.artifact import open_artifact
 
     artifact = open_artifact(path)
     entry, file = artifact.entry, artifact.file
@@ -102,7 +102,7 @@ def _check_sampling(args) -> None:
     """Flag combinations, before the model loads (each flag's own range is argparse's)."""
     if args.spec and not SamplingParams(**_sampling(args)).is_greedy:
         raise KippError("--spec is greedy only: add --temperature 0 (or --top-k 1)")
-    from kipp import registry
+    from kipp.formats import registry
 
     entry = registry.REGISTRY.get(args.model)
     if entry is not None and args.max_tokens >= entry.context_length:
@@ -195,13 +195,13 @@ def _gates(args) -> int:
     import tempfile
 
     from kipp import gates
-    from kipp.convert import convert
+    from kipp.formats.convert import convert
     from kipp.model import load
 
     model = _load(args)
     source = args.source
     if source is None:
-        from kipp.store import source_folder
+        from kipp.formats.store import source_folder
 
         source = source_folder(model.entry.id)
     bf16 = None
@@ -311,7 +311,7 @@ def _add_sampling_arguments(p, max_tokens: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kipp.scheduler import DEFAULT_PREFILL_CHUNK
+    from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK
 
     parser = argparse.ArgumentParser(prog="kipp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

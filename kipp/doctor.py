@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from kipp import gates
-from kipp.backend import EvalItem
-from kipp.backends import choose_backend, open_backend
-from kipp.registry import KV_BLOCK
+from kipp.backend import KV_BLOCK, EvalItem, blocks_needed
+from kipp.chooser import choose_backend, open_backend
 
 TINY = "kipp-synthetic/qwen3-tiny"
 PACKAGES = ("kipp", "numpy", "ml_dtypes", "jax", "jaxlib", "jax-cuda12-plugin", "mlx",
@@ -59,7 +58,7 @@ def collect(model: str | None = None, backend: str = "auto", *, tiny: str | Path
             tiny_source: str | Path | None = None, progress=lambda line: None) -> dict:
     """The whole report as a JSON-able dict. `tiny` and `tiny_source` name the tiny synthetic
     checkpoint's artifact and Hugging Face folder (default: made under KIPP_HOME)."""
-    from kipp.artifact import open_artifact
+    from kipp.formats.artifact import open_artifact
 
     report = {"kipp": _kipp_version(), "platform": platform_info(),
               "packages": package_versions(), "switches": switches()}
@@ -68,7 +67,7 @@ def collect(model: str | None = None, backend: str = "auto", *, tiny: str | Path
     choice = choose_backend(backend)
     report["backend"] = {"requested": backend, "chosen": choice.name, "reason": choice.reason}
     if tiny is None:
-        from kipp.store import ensure_artifact
+        from kipp.formats.store import ensure_artifact
 
         tiny = ensure_artifact(TINY, "bf16", progress=False)
     progress(f"loading {TINY} on {choice.name} (kernel probes)...")
@@ -171,7 +170,7 @@ def _transformers_gate(model, source) -> gates.GateResult:
                                 gates.calibrated_bound(model.backend, "transformers"),
                                 f"skipped: {e.name} is not installed")
     if source is None:
-        from kipp.store import source_folder
+        from kipp.formats.store import source_folder
 
         source = source_folder(TINY, progress=False)
     return gates.gate_transformers(model, source, GATE_PROMPTS)
@@ -192,7 +191,7 @@ def measure(model: str | None, backend: str, loaded=None) -> dict:
         loaded = load(model, backend=backend, kv_tokens=SPEED_PROMPT + SPEED_DECODE + KV_BLOCK,
                       progress=False).backend
     tokens = tuple(int(t) for t in np.random.default_rng(2).integers(0, 151_643, SPEED_PROMPT))
-    table = tuple(range(-(-(SPEED_PROMPT + SPEED_DECODE) // KV_BLOCK)))
+    table = tuple(range(blocks_needed(SPEED_PROMPT + SPEED_DECODE)))
     prefill, decode = [], []
     for _ in range(SPEED_RUNS + 1):
         start = time.perf_counter()

@@ -5,7 +5,7 @@ Each gate returns a GateResult (a measured error, the bound it is held to, pass 
 the whole set for one artifact on one backend:
 
 - source: the artifact holds exactly the source checkpoint's weights (BF16 tensors bitwise,
-  quantized ones equal to kipp.quant's encoding of the source).
+  quantized ones equal to kipp.formats.quant's encoding of the source).
 - vs transformers: the backend against `transformers` (float32) at every position of
   DEFAULT_PROMPTS. For a quantized artifact transformers runs the source weights passed
   through the scheme's numpy quantizer and dequantizer: the very values the artifact stores
@@ -14,7 +14,7 @@ the whole set for one artifact on one backend:
 - vs reference (JAX, MLX): the backend against the numpy reference on the same artifact,
   a prefill and decode steps across a block boundary through a scrambled table.
 - greedy = designed rule (synthetic checkpoints): greedy tokens of fixed prompts follow the
-  rule the weights were built to implement (kipp.synthetic), which attention, RoPE, mask, KV
+  rule the weights were built to implement (kipp.synthetic.writer), which attention, RoPE, mask, KV
   cache and block table bugs change.
 - cached decode vs recompute, scrambled block table (bitwise on every backend), batched vs
   isolated (bitwise on the reference, which promises it; within the backend's bound elsewhere).
@@ -41,8 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kipp.backend import EvalItem
-from kipp.registry import KV_BLOCK
+from kipp.backend import KV_BLOCK, EvalItem, blocks_needed
 
 GATES = ("transformers", "reference", "cached_decode", "batched")
 # BOUNDS[backend][gate]: NMSE bounds (0.0: bitwise). Each is the worst error measured on the
@@ -206,8 +205,8 @@ def designed_prompts(entry) -> list[list[int]]:
     """Eight fixed prompts for a synthetic checkpoint: noise, then three distinct live tokens
     (so the designed rule fetches two positions back at once), 22 to 29 tokens long so that
     decoding crosses the block boundary at 32 within DESIGNED_STEPS tokens."""
-    from kipp.registry import ENDOFTEXT_ID
-    from kipp.synthetic import live_token_ids
+    from kipp.formats.registry import ENDOFTEXT_ID
+    from kipp.synthetic.writer import live_token_ids
 
     rng = np.random.default_rng(14)
     live = live_token_ids(entry)
@@ -243,10 +242,10 @@ def designed_divergence(model, prompts, expected, steps: int) -> list[bool]:
 
 
 def gate_designed(model, steps: int = DESIGNED_STEPS) -> GateResult:
-    """A synthetic checkpoint's greedy tokens against its designed rule (kipp.synthetic):
+    """A synthetic checkpoint's greedy tokens against its designed rule (kipp.synthetic.writer):
     exact on every backend and scheme, and changed by attention, RoPE, mask, KV and
     block-table bugs that logits bounds might let through."""
-    from kipp.synthetic import designed_rule
+    from kipp.synthetic.writer import designed_rule
 
     prompts = designed_prompts(model.entry)
     rule = designed_rule(model.entry)
@@ -263,12 +262,12 @@ def _is_projection(name: str) -> bool:
 
 def transformers_model(source_dir, scheme: str = "bf16"):
     """The `transformers` Qwen3 model (float32) on the source folder's weights; for a quantized
-    scheme its seven projections per layer are replaced by kipp.quant's encoding of them,
+    scheme its seven projections per layer are replaced by kipp.formats.quant's encoding of them,
     decoded: the values a Kipp artifact of that scheme stores."""
     import torch
     import transformers
 
-    from kipp import quant
+    from kipp.formats import quant
 
     hf = transformers.Qwen3ForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
     hf.eval()
@@ -322,7 +321,7 @@ def gate_cached_decode(model, prompt=DEFAULT_PROMPTS[0], steps: int = 12) -> Gat
 def gate_scrambled_table(model, prompt=DEFAULT_PROMPTS[2], seed: int = 0) -> GateResult:
     """A scrambled block table must give bitwise the logits of the identity table."""
     tokens = model.tokenizer.encode(prompt * 3)
-    blocks = -(-len(tokens) // KV_BLOCK)
+    blocks = blocks_needed(len(tokens))
     pool = model.pool
     table = pool.allocate(blocks)
     try:
@@ -359,7 +358,7 @@ def gate_vs_reference(model, prompt=DEFAULT_PROMPTS[2], decode_steps: int = 4) -
     from kipp.reference.backend import ReferenceBackend
 
     tokens = model.tokenizer.encode(prompt * 2)[:KV_BLOCK - 2]
-    blocks = -(-(len(tokens) + decode_steps) // KV_BLOCK) + 1
+    blocks = blocks_needed(len(tokens) + decode_steps) + 1
     oracle = ReferenceBackend(model.artifact, blocks, kv_scheme=model.backend.kv_scheme)
     table = model.pool.allocate(blocks)
     try:
@@ -372,10 +371,10 @@ def gate_vs_reference(model, prompt=DEFAULT_PROMPTS[2], decode_steps: int = 4) -
 
 def gate_source(artifact, source_dir) -> GateResult:
     """The artifact's tensors against the source folder's: BF16 bitwise, norms widened
-    exactly, projections byte for byte kipp.quant's encoding of the source weights. The
+    exactly, projections byte for byte kipp.formats.quant's encoding of the source weights. The
     metric is the largest |artifact - source| over max |source| of any tensor."""
-    from kipp import quant
-    from kipp.artifact import expected_tensors
+    from kipp.formats import quant
+    from kipp.formats.artifact import expected_tensors
 
     specs = expected_tensors(artifact.entry, artifact.scheme)
     held = {t.name: t for t in _tensors(artifact)}

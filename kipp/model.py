@@ -25,20 +25,21 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kipp import stops
-from kipp.artifact import Artifact, open_artifact
-from kipp.backends import BACKENDS, choose_backend, open_backend  # noqa: F401  (BACKENDS: API)
-from kipp.blocks import BLOCK_SIZE, BlockPool
+from kipp.backend import KV_BLOCK, blocks_needed
+from kipp.chooser import BACKENDS, choose_backend, open_backend  # noqa: F401  (BACKENDS: API)
 from kipp.display import count, html_view, preview, text_view
+from kipp.engine.blocks import BlockPool
+from kipp.engine.session import Session, SessionError
+from kipp.engine.spec import SpecConfig, SpecStats, SpeculativeDecoder
 from kipp.errors import KippError, require
+from kipp.formats.artifact import Artifact, open_artifact
+from kipp.formats.registry import KV_HEADS, VOCAB_SIZE
 from kipp.memory import check_weight_memory
-from kipp.registry import KV_HEADS, VOCAB_SIZE
-from kipp.sampling import Sampler, SamplingParams
-from kipp.session import Session, SessionError
-from kipp.spec import SpecConfig, SpecStats, SpeculativeDecoder
-from kipp.tokenizer import StreamingDetokenizer, Tokenizer
+from kipp.text import stops
+from kipp.text.sampling import Sampler, SamplingParams
+from kipp.text.tokenizer import StreamingDetokenizer, Tokenizer
 
-KV_SCHEMES = ("bf16", "q8_0")  # the KV slab's storage format (see kipp.kvquant for q8_0)
+KV_SCHEMES = ("bf16", "q8_0")  # the KV slab's storage format (see kipp.formats.kvquant for q8_0)
 JAX_DEFAULT_KV_TOKENS = 8192
 
 
@@ -52,7 +53,7 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          weight_memory: str = "auto") -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
-    installed (kipp.backends) and prints why. `kv_tokens` sizes the KV slab
+    installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
     (default: the checkpoint's context length; the reference backend pages it in lazily).
     `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16").
     `kv_mib` sizes the slab in memory instead of tokens: the same MiB hold ~1.9x more tokens
@@ -81,7 +82,7 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
 
 
 def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None:
-    from kipp.quant import scheme as weight_scheme
+    from kipp.formats.quant import scheme as weight_scheme
 
     if backend not in BACKENDS + ("auto",):
         raise KippError(f"unknown backend {backend!r}; choose from auto, {', '.join(BACKENDS)}")
@@ -92,8 +93,8 @@ def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None
         raise KippError("give kv_tokens or kv_mib, not both")
     if kv_tokens is not None and (isinstance(kv_tokens, bool)
                                   or not isinstance(kv_tokens, numbers.Integral)
-                                  or kv_tokens < BLOCK_SIZE):
-        raise KippError(f"kv_tokens must be an integer of at least one {BLOCK_SIZE}-token "
+                                  or kv_tokens < KV_BLOCK):
+        raise KippError(f"kv_tokens must be an integer of at least one {KV_BLOCK}-token "
                         f"block, got {kv_tokens!r}")
     if kv_mib is not None and (isinstance(kv_mib, bool) or not isinstance(kv_mib, numbers.Real)
                                or not 0 < kv_mib < float("inf")):
@@ -110,8 +111,8 @@ def _open_checkpoint(checkpoint: str | Path, scheme: str, progress: bool) -> Art
     reject_folder(path, scheme)
     if path.suffix == ".gguf" or path.is_file():
         return open_artifact(path)
-    from kipp import registry
-    from kipp.store import ensure_artifact
+    from kipp.formats import registry
+    from kipp.formats.store import ensure_artifact
 
     registry.get(str(checkpoint))  # RegistryError listing the supported ids
     return open_artifact(ensure_artifact(str(checkpoint), scheme, progress=progress))
@@ -130,13 +131,13 @@ def reject_folder(path: Path, scheme: str = "bf16") -> None:
 
 def kv_tokens_for(entry, kv_scheme: str, mib: float) -> int:
     """Tokens of KV (whole 32-token blocks) that fit in `mib` MiB with `kv_scheme`."""
-    from kipp.kvquant import row_bytes
+    from kipp.formats.kvquant import row_bytes
 
     per_token = entry.layers * 2 * KV_HEADS * row_bytes(kv_scheme)
-    tokens = int(mib * 2**20) // per_token // BLOCK_SIZE * BLOCK_SIZE
-    if tokens < BLOCK_SIZE:
-        raise KippError(f"kv_mib {mib} holds less than one {BLOCK_SIZE}-token block "
-                        f"({BLOCK_SIZE * per_token} bytes with {kv_scheme} KV)")
+    tokens = int(mib * 2**20) // per_token // KV_BLOCK * KV_BLOCK
+    if tokens < KV_BLOCK:
+        raise KippError(f"kv_mib {mib} holds less than one {KV_BLOCK}-token block "
+                        f"({KV_BLOCK * per_token} bytes with {kv_scheme} KV)")
     return tokens
 
 
@@ -146,9 +147,9 @@ def _num_blocks(artifact: Artifact, backend: str, kv_tokens: int | None) -> int:
     # they get a smaller default (4.7 GB at 0.6B for the whole 40,960-token context).
     default = context if backend == "reference" else min(context, JAX_DEFAULT_KV_TOKENS)
     tokens = default if kv_tokens is None else kv_tokens
-    if tokens < BLOCK_SIZE:
-        raise KippError(f"kv_tokens {tokens} is below one {BLOCK_SIZE}-token block")
-    return -(-tokens // BLOCK_SIZE)
+    if tokens < KV_BLOCK:
+        raise KippError(f"kv_tokens {tokens} is below one {KV_BLOCK}-token block")
+    return blocks_needed(tokens)
 
 
 @dataclass
@@ -192,7 +193,7 @@ class Model:
             ("backend", self.backend.describe()),
             ("context", f"{self.entry.context_length:,} tokens"),
             ("KV pool", f"{pool.num_in_use:,} of {count(pool.num_blocks, 'block')} in use "
-                        f"({BLOCK_SIZE} tokens each), {pool.num_evictable:,} cached for reuse"),
+                        f"({KV_BLOCK} tokens each), {pool.num_evictable:,} cached for reuse"),
         ]
 
     def __repr__(self) -> str:
@@ -260,15 +261,15 @@ class Model:
         Generation: an iterator of text pieces (sync `for` or `async for`) whose `.stats` fill
         in as it runs. Sampling keywords are those of SamplingParams (temperature, top_p,
         top_k, min_p, penalties, logit_bias, seed). `speculative=True` (greedy only:
-        temperature=0 or top_k=1) emits the same tokens in fewer evals (kipp.spec; a
+        temperature=0 or top_k=1) emits the same tokens in fewer evals (kipp.engine.spec; a
         SpecConfig picks the drafter and gate); `.stats.spec` counts its drafts.
         `session` continues an open Session (a conversation): it keeps the longest prefix its
         tokens share with the prompt (cut back where they differ), evaluates only the rest,
         and stays open holding the prompt and the generated tokens for the next call.
 
-        Constrained decoding (kipp.grammar), at most one of: `json_schema` (a dict, JSON text
+        Constrained decoding (kipp.text.grammar), at most one of: `json_schema` (a dict, JSON text
         or pydantic model class: the output is one JSON value valid against it), `regex` (the
-        output matches it in full), `grammar` (Lark or GBNF text, or a kipp.grammar.Grammar).
+        output matches it in full), `grammar` (Lark or GBNF text, or a kipp.text.grammar.Grammar).
         Generation ends ("stop") as soon as the grammar is complete."""
         generation = Generation(self, self.prompt_ids(prompt), max_tokens, stop,
                                 SamplingParams(**sampling), speculative=speculative,
@@ -290,9 +291,9 @@ class Model:
         calls; exactly one unless `parallel_tool_calls`) or {"type": "function", "function":
         {"name": ...}}; required and named calls are constrained to valid calls whose arguments
         match the function's schema. A constrained reply starts after an empty think block.
-        With stream=True the text pieces come as they are made (kipp.chat.parse_tool_calls
+        With stream=True the text pieces come as they are made (kipp.text.chat.parse_tool_calls
         splits the whole text afterwards)."""
-        from kipp.chat import close_reasoning, render
+        from kipp.text.chat import close_reasoning, render
 
         if not self.entry.has_chat_template:
             raise GenerationError(f"{self.entry.id} is a base checkpoint: it has no chat "
@@ -313,9 +314,9 @@ class Model:
 
     @property
     def chat_template(self) -> str:
-        """The name of the chat template this checkpoint renders with (kipp.chat.TEMPLATES):
+        """The name of the chat template this checkpoint renders with (kipp.text.chat.TEMPLATES):
         the artifact's template text must be the one its registry entry ships upstream."""
-        from kipp.chat import ChatError, entry_template, template_name
+        from kipp.text.chat import ChatError, entry_template, template_name
 
         name = template_name(self.tokenizer.data.chat_template)
         expected = entry_template(self.entry.id)
@@ -326,8 +327,8 @@ class Model:
 
 
 def constraint(json_schema=None, regex=None, grammar=None):
-    """generate()'s constraint keywords as one kipp.grammar.Grammar (None: unconstrained)."""
-    from kipp import grammar as g
+    """generate()'s constraint keywords as one kipp.text.grammar.Grammar (None: unconstrained)."""
+    from kipp.text import grammar as g
 
     given = [k for k, v in (("json_schema", json_schema), ("regex", regex),
                             ("grammar", grammar)) if v is not None]
@@ -345,7 +346,7 @@ def constraint(json_schema=None, regex=None, grammar=None):
 
 def chat_constraint(response_format, tools, tool_choice, parallel_tool_calls=True):
     """chat()'s (and the server's) response_format / tool_choice as one Grammar, or None."""
-    from kipp import grammar as g
+    from kipp.text import grammar as g
 
     functions = g.function_tools(tools) if tools is not None else None
     forced = g.tool_choice_grammar(functions, tool_choice, parallel_tool_calls)
@@ -366,7 +367,7 @@ class ChatReply:
 
     @classmethod
     def parse(cls, text: str, finish_reason: str | None) -> "ChatReply":
-        from kipp.chat import parse_tool_calls
+        from kipp.text.chat import parse_tool_calls
 
         content, calls = parse_tool_calls(text)
         if calls and finish_reason == "stop":
@@ -402,7 +403,7 @@ class Generation:
             raise GenerationError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
                                   f"exceeds {what} {limit}")
         if not isinstance(speculative, (bool, SpecConfig)):
-            raise GenerationError(f"speculative must be True, False or a kipp.spec.SpecConfig, "
+            raise GenerationError(f"speculative must be True, False or a kipp.engine.spec.SpecConfig, "
                                   f"got {speculative!r}")
         if speculative and not params.is_greedy:
             raise GenerationError("speculative decoding is greedy only: set temperature=0 (or "
@@ -414,7 +415,7 @@ class Generation:
         self.sampler = Sampler(params)
         self.matcher = None
         if grammar is not None:
-            from kipp.grammar import Matcher, grammar_tokenizer, masks_ahead
+            from kipp.text.grammar import Matcher, grammar_tokenizer, masks_ahead
 
             self.matcher = Matcher(grammar_tokenizer(model.tokenizer,
                                                      model.entry.stop_token_ids), grammar)
@@ -591,7 +592,7 @@ def _check_session(model: Model, session: Session) -> None:
 
 
 class StopStrings(stops.StopStrings):
-    """Holds back streamed text while it could still become a stop string (kipp.stops)."""
+    """Holds back streamed text while it could still become a stop string (kipp.text.stops)."""
 
     def __init__(self, strings):
         try:

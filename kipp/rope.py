@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kipp.registry import HEAD_DIM
+from kipp.formats.registry import HEAD_DIM
 
 
 def rope_tables(positions: np.ndarray, theta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kipp import gguf, registry
-from kipp.artifact import expected_tensors, open_artifact
 from kipp.cli import main as cli_main
-from kipp.convert import convert
 from kipp.errors import ArtifactError, ConvertError, FieldMismatch, KippError
-from kipp.quant import GGML_BF16, GGML_F32, SCHEMES, dequantize, quantize
+from kipp.formats import gguf, registry
+from kipp.formats.artifact import expected_tensors, open_artifact
+from kipp.formats.convert import convert
+from kipp.formats.quant import GGML_BF16, GGML_F32, SCHEMES, dequantize, quantize
 
 TINY = "kipp-synthetic/qwen3-tiny"
 UNTIED = "kipp-synthetic/qwen3-tiny-untied"
@@ -93,7 +93,7 @@ def test_weights_structure_binds_every_field(artifacts):
 
 
 def test_tokenizer_data_survives_the_artifact(artifacts, synthetic_dir):
-    from kipp.tokenizer import load_tokenizer_files
+    from kipp.text.tokenizer import load_tokenizer_files
 
     folder = synthetic_dir(TINY)
     from_files = load_tokenizer_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
@@ -102,8 +102,8 @@ def test_tokenizer_data_survives_the_artifact(artifacts, synthetic_dir):
 
 
 def test_tokenizer_from_gguf_encodes_like_from_files(artifacts, synthetic_dir):
-    from kipp.artifact import read_tokenizer_data
-    from kipp.tokenizer import Tokenizer
+    from kipp.formats.artifact import read_tokenizer_data
+    from kipp.text.tokenizer import Tokenizer
 
     folder = synthetic_dir(TINY)
     a = Tokenizer.from_files(folder / "tokenizer.json", folder / "tokenizer_config.json")

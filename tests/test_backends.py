@@ -1,10 +1,10 @@
-"""`backend="auto"` picks the fastest installed backend and says why (kipp.backends)."""
+"""`backend="auto"` picks the fastest installed backend and says why (kipp.chooser)."""
 
 import pytest
 
 import kipp.apple
 import kipp.cuda
-from kipp import backends
+from kipp import chooser as backends
 from kipp.errors import KippError
 
 

@@ -12,8 +12,18 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # bench/ is a directory of the repo, not an installed package
     sys.path.insert(0, str(REPO))
 
-from bench import arms, ceiling, fallback, ppl, provenance, records, report, runner  # noqa: E402
-from bench import stats, workloads  # noqa: E402
+from bench import (  # noqa: E402  # noqa: E402
+    arms,
+    ceiling,
+    fallback,
+    ppl,
+    provenance,
+    records,
+    report,
+    runner,
+    stats,
+    workloads,
+)
 from bench.engines.base import ArmSpec  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
@@ -167,7 +177,7 @@ def test_provenance_fields_and_types():
 # ---- ceiling -------------------------------------------------------------------------------
 
 def test_bytes_per_token_match_the_artifacts_tensors(artifacts):
-    from kipp import gguf
+    from kipp.formats import gguf
 
     for scheme in ("bf16", "q8_0"):
         file = gguf.read(artifacts(TINY, scheme))
@@ -289,7 +299,7 @@ def _has_matplotlib() -> bool:
 @pytest.fixture
 def tiny_home(tmp_path, monkeypatch, artifacts):
     """A KIPP_HOME whose store paths point at the session's tiny artifacts."""
-    from kipp import store
+    from kipp.formats import store
 
     monkeypatch.setenv("KIPP_HOME", str(tmp_path / "home"))
     for scheme in ("bf16",):

@@ -6,8 +6,8 @@ import pytest
 pytest.importorskip("jax")
 
 from bench import kernels  # noqa: E402
-from kipp import registry  # noqa: E402
-from kipp.cuda import kernel_shapes as ks  # noqa: E402
+from kipp.cuda.pallas import kernel_shapes as ks  # noqa: E402
+from kipp.formats import registry  # noqa: E402
 
 
 def _rows(spill=0):

@@ -4,13 +4,14 @@ import random
 
 import pytest
 
-from kipp import blocks
-from kipp.blocks import BLOCK_SIZE, BlockPool, PoolExhausted, blocks_needed
+from kipp.backend import KV_BLOCK, blocks_needed
+from kipp.engine import blocks
+from kipp.engine.blocks import BlockPool, PoolExhausted
 
 
 def seq(n_blocks, start=0, extra=0):
     """Token ids filling n_blocks full blocks plus `extra` tokens, starting at `start`."""
-    return list(range(start, start + n_blocks * BLOCK_SIZE + extra))
+    return list(range(start, start + n_blocks * KV_BLOCK + extra))
 
 
 def snapshot(pool):
@@ -55,7 +56,7 @@ def test_publish_then_match_shares_prefix_and_stops_at_difference():
     pool.check()
     assert pool.num_evictable == 4 and pool.num_free == 12
 
-    other = tokens[: 2 * BLOCK_SIZE] + [9999] + tokens[2 * BLOCK_SIZE + 1 :]
+    other = tokens[: 2 * KV_BLOCK] + [9999] + tokens[2 * KV_BLOCK + 1 :]
     got = pool.match_prefix(other)
     assert got == table[:2]
     assert pool.hits == 2 and pool.hit_tokens == 64
@@ -89,7 +90,7 @@ def test_first_block_must_match():
     finish(pool, seq(2), table)
     assert pool.match_prefix(seq(2, start=1)) == []
     # Same second block behind a different first block: the chain differs, so no match.
-    shifted = [7] * BLOCK_SIZE + seq(2)[BLOCK_SIZE:]
+    shifted = [7] * KV_BLOCK + seq(2)[KV_BLOCK:]
     assert pool.match_prefix(shifted) == []
 
 
@@ -165,10 +166,10 @@ def test_collision_with_same_tokens_but_other_parent(monkeypatch):
     first_token = lambda parent, tokens: tokens[0].to_bytes(4, "little")  # noqa: E731
     monkeypatch.setattr(blocks, "block_hash", first_token)
     pool = BlockPool(8)
-    x, y = [1] * BLOCK_SIZE, [2] * BLOCK_SIZE
+    x, y = [1] * KV_BLOCK, [2] * KV_BLOCK
     table = pool.allocate(2)
     finish(pool, x + y, table)
-    z = [3] * BLOCK_SIZE
+    z = [3] * KV_BLOCK
     assert pool.match_prefix(z + y) == []  # y's digest hits, but only behind x
     got = pool.match_prefix(x + y)
     assert got == table
@@ -244,7 +245,7 @@ def test_max_blocks_caps_match():
     tokens = seq(4)
     table = pool.allocate(4)
     finish(pool, tokens, table)
-    assert pool.match_prefix(tokens, max_blocks=(len(tokens) - 1) // BLOCK_SIZE) == table[:3]
+    assert pool.match_prefix(tokens, max_blocks=(len(tokens) - 1) // KV_BLOCK) == table[:3]
     assert pool.match_prefix(tokens, max_blocks=0) == []
     pool.check()
 
@@ -313,11 +314,11 @@ def finish_with_tail(pool, tokens, table):
 def adopt(pool, tokens, limit=None):
     """A session's match_prefix: full blocks, then a tail; (table, adopted tokens)."""
     usable = len(tokens) - 1
-    table = pool.match_prefix(tokens, max_blocks=usable // BLOCK_SIZE)
-    tail, n = pool.match_tail(tokens, table, usable - len(table) * BLOCK_SIZE
+    table = pool.match_prefix(tokens, max_blocks=usable // KV_BLOCK)
+    tail, n = pool.match_tail(tokens, table, usable - len(table) * KV_BLOCK
                               if limit is None else limit)
     pool.check()
-    return table + ([tail] if tail is not None else []), len(table) * BLOCK_SIZE + n
+    return table + ([tail] if tail is not None else []), len(table) * KV_BLOCK + n
 
 
 def test_tail_is_adopted_privately_and_leaves_one_token():
@@ -330,16 +331,16 @@ def test_tail_is_adopted_privately_and_leaves_one_token():
     got, adopted = adopt(pool, tokens)
     assert got == table and adopted == len(tokens) - 1  # the last token is left to evaluate
     assert [pool._ref[b] for b in got] == [1, 1, 1] and table[2] not in pool._lru
-    assert pool.stats()["tail_hits"] == 1 and pool.hit_tokens == 2 * BLOCK_SIZE + 9
+    assert pool.stats()["tail_hits"] == 1 and pool.hit_tokens == 2 * KV_BLOCK + 9
     # Private: a second adopter finds the full blocks only.
     other, n = adopt(pool, tokens)
-    assert other == table[:2] and n == 2 * BLOCK_SIZE
+    assert other == table[:2] and n == 2 * KV_BLOCK
     pool.release(other)
     # Released without publishing, the old tail is an ordinary private block: freed.
     pool.release(got)
     pool.check()
     assert pool.num_evictable == 2 and pool.num_free == 6
-    assert adopt(pool, tokens)[1] == 2 * BLOCK_SIZE
+    assert adopt(pool, tokens)[1] == 2 * KV_BLOCK
 
 
 def test_tail_agreement_and_limit():
@@ -347,9 +348,9 @@ def test_tail_agreement_and_limit():
     tokens = seq(1, extra=20)
     first = pool.allocate(2)
     finish_with_tail(pool, tokens, first)
-    longer = tokens[:BLOCK_SIZE + 12] + [999] + tokens[BLOCK_SIZE + 13:]
+    longer = tokens[:KV_BLOCK + 12] + [999] + tokens[KV_BLOCK + 13:]
     got, n = adopt(pool, longer)
-    assert got == first and n == BLOCK_SIZE + 12  # only the 12 tokens that agree
+    assert got == first and n == KV_BLOCK + 12  # only the 12 tokens that agree
     pool.release(got)
     pool.check()
 
@@ -358,14 +359,14 @@ def test_tail_agreement_and_limit():
     pool._ref[first[0]] += 1
     finish_with_tail(pool, tokens, table)
     got, n = adopt(pool, tokens, limit=5)
-    assert got == table and n == BLOCK_SIZE + 5
+    assert got == table and n == KV_BLOCK + 5
     pool.release(got)
     table = pool.match_prefix(tokens) + pool.allocate(1)
     finish_with_tail(pool, tokens, table)
     # Nothing in common past the full block, or no room left: no tail taken.
-    assert adopt(pool, tokens[:BLOCK_SIZE] + [999] * 20) == (table[:1], BLOCK_SIZE)
+    assert adopt(pool, tokens[:KV_BLOCK] + [999] * 20) == (table[:1], KV_BLOCK)
     pool.release(table[:1])
-    assert adopt(pool, tokens, limit=0) == (table[:1], BLOCK_SIZE)
+    assert adopt(pool, tokens, limit=0) == (table[:1], KV_BLOCK)
     pool.release(table[:1])
     pool.check()
 
@@ -376,9 +377,9 @@ def test_tail_needs_its_exact_parent_chain():
     table = pool.allocate(3)
     finish_with_tail(pool, tokens, table)
     # Same tail tokens after a different second block: another chain, no tail.
-    other = tokens[:BLOCK_SIZE] + [7] * BLOCK_SIZE + tokens[2 * BLOCK_SIZE:]
+    other = tokens[:KV_BLOCK] + [7] * KV_BLOCK + tokens[2 * KV_BLOCK:]
     got, n = adopt(pool, other)
-    assert got == table[:1] and n == BLOCK_SIZE
+    assert got == table[:1] and n == KV_BLOCK
     pool.release(got)
     # A prompt shorter than one block has a root tail (parent None).
     short = pool.allocate(1)
@@ -419,27 +420,27 @@ def test_an_unreferenced_full_block_is_taken_over_for_the_tokens_that_agree():
     finished = seq(2)  # a 52-token prompt and 12 generated tokens
     table = pool.allocate(2)
     finish_with_tail(pool, finished, table)
-    prompt = finished[:BLOCK_SIZE + 20]
+    prompt = finished[:KV_BLOCK + 20]
     got, n = adopt(pool, prompt)
     assert got == table and n == len(prompt) - 1
     assert table[1] not in pool._meta and pool._ref[table[1]] == 1  # no longer cached
     pool.release(got)
     pool.check()
-    assert pool.num_free == 7 and adopt(pool, prompt) == (table[:1], BLOCK_SIZE)
+    assert pool.num_free == 7 and adopt(pool, prompt) == (table[:1], KV_BLOCK)
     pool.release(table[:1])
     # A prompt that leaves the full block's tokens early does not break the cached chain.
     table = pool.match_prefix(finished) + pool.allocate(1)
     finish_with_tail(pool, finished, table)
-    early = finished[:BLOCK_SIZE + 5] + [999] * 10
-    assert adopt(pool, early) == (table[:1], BLOCK_SIZE) and table[1] in pool._meta
+    early = finished[:KV_BLOCK + 5] + [999] * 10
+    assert adopt(pool, early) == (table[:1], KV_BLOCK) and table[1] in pool._meta
     pool.release(table[:1])
     pool.check()
 
     got, n = adopt(pool, finished)  # 64 tokens: one full block shared, 31 of the next taken
-    assert got == table and n == 2 * BLOCK_SIZE - 1
+    assert got == table and n == 2 * KV_BLOCK - 1
     # A block someone still uses is never taken.
     other, m = adopt(pool, finished)
-    assert other == table[:1] and m == BLOCK_SIZE
+    assert other == table[:1] and m == KV_BLOCK
     pool.release(other)
     pool.release(got)
     pool.check()
@@ -452,14 +453,14 @@ def test_tails_are_evicted_before_their_prefix():
     assert list(pool._lru) == [table[2], table[1], table[0]]
     assert pool.allocate(1) == [table[2]] and table[2] not in pool._tails
     pool.check()
-    assert adopt(pool, seq(2, extra=5))[1] == 2 * BLOCK_SIZE
+    assert adopt(pool, seq(2, extra=5))[1] == 2 * KV_BLOCK
 
 
 def test_hash_is_stable():
-    h0 = blocks.block_hash(None, list(range(BLOCK_SIZE)))
-    assert h0 == blocks.block_hash(None, tuple(range(BLOCK_SIZE)))
-    assert h0.hex() == blocks.block_hash(b"", range(BLOCK_SIZE)).hex()
-    assert blocks.block_hash(h0, [0] * BLOCK_SIZE) != blocks.block_hash(None, [0] * BLOCK_SIZE)
+    h0 = blocks.block_hash(None, list(range(KV_BLOCK)))
+    assert h0 == blocks.block_hash(None, tuple(range(KV_BLOCK)))
+    assert h0.hex() == blocks.block_hash(b"", range(KV_BLOCK)).hex()
+    assert blocks.block_hash(h0, [0] * KV_BLOCK) != blocks.block_hash(None, [0] * KV_BLOCK)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -468,14 +469,14 @@ def test_random_stress(seed, monkeypatch):
         monkeypatch.setattr(blocks, "block_hash", lambda parent, tokens: bytes([sum(tokens) % 3]))
     rng = random.Random(seed)
     pool = BlockPool(24)
-    prefixes = [[rng.randrange(4) for _ in range(3 * BLOCK_SIZE)] for _ in range(3)]
+    prefixes = [[rng.randrange(4) for _ in range(3 * KV_BLOCK)] for _ in range(3)]
     live = []  # (tokens, table, reservation)
     holds = {}  # block -> the token at each of its positions (what its KV was computed for)
 
     def content(tokens, table, adopted):
         # Every adopted position must hold exactly the prompt's token there.
         for p in range(adopted):
-            assert holds[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] == tokens[p]
+            assert holds[table[p // KV_BLOCK]][p % KV_BLOCK] == tokens[p]
 
     for _ in range(600):
         if live and (rng.random() < 0.4 or pool.num_available - pool.reserved < 4):
@@ -485,13 +486,13 @@ def test_random_stress(seed, monkeypatch):
             pool.release(table, reservation=res)
             res.release()
         else:
-            tokens = rng.choice(prefixes)[: rng.randrange(3 * BLOCK_SIZE)]
-            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 3 * BLOCK_SIZE))]
+            tokens = rng.choice(prefixes)[: rng.randrange(3 * KV_BLOCK)]
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 3 * KV_BLOCK))]
             need = blocks_needed(len(tokens))
             usable = len(tokens) - 1
-            table = pool.match_prefix(tokens, max_blocks=usable // BLOCK_SIZE)
-            tail, n = pool.match_tail(tokens, table, usable - len(table) * BLOCK_SIZE)
-            adopted = len(table) * BLOCK_SIZE + n
+            table = pool.match_prefix(tokens, max_blocks=usable // KV_BLOCK)
+            tail, n = pool.match_tail(tokens, table, usable - len(table) * KV_BLOCK)
+            adopted = len(table) * KV_BLOCK + n
             table += [tail] if tail is not None else []
             content(tokens, table, adopted)
             try:
@@ -504,7 +505,7 @@ def test_random_stress(seed, monkeypatch):
                 table += pool.allocate(min(rng.randrange(1, 3), need - len(table)), reservation=res)
             assert res.remaining == 0 and len(set(table)) == len(table)
             for p in range(adopted, len(tokens)):  # "evaluate" the rest: write its KV
-                holds.setdefault(table[p // BLOCK_SIZE], [None] * BLOCK_SIZE)[p % BLOCK_SIZE] = \
+                holds.setdefault(table[p // KV_BLOCK], [None] * KV_BLOCK)[p % KV_BLOCK] = \
                     tokens[p]
             live.append((tokens, table, res))
         pool.check()

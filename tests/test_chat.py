@@ -1,4 +1,4 @@
-"""kipp.chat.render against transformers' apply_chat_template with the upstream Qwen3 template."""
+"""kipp.text.chat.render against transformers' apply_chat_template with the upstream Qwen3 template."""
 
 from __future__ import annotations
 
@@ -7,11 +7,19 @@ import json
 
 import pytest
 
-from kipp import registry
-from kipp.chat import (TEMPLATES, ChatError, close_reasoning, entry_template, render,
-                       require_chat_template, template_name, thinking_2507_template)
-from kipp.tokenizer import TokenizerData
-from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
+from kipp.formats import registry
+from kipp.text.chat import (
+    TEMPLATES,
+    ChatError,
+    close_reasoning,
+    entry_template,
+    render,
+    require_chat_template,
+    template_name,
+    thinking_2507_template,
+)
+from kipp.text.tokenizer import TokenizerData
+from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 HI = {"role": "user", "content": "Hi!"}
@@ -188,7 +196,7 @@ def test_tokenizer_data_needs_the_qwen3_template():
     require_chat_template(TokenizerData(("a",), (1,), (), 0, template))
     with pytest.raises(ChatError, match="no chat template"):
         require_chat_template(TokenizerData(("a",), (1,), (), 0, None))
-    with pytest.raises(ChatError, match="not one kipp.chat renders"):
+    with pytest.raises(ChatError, match="not one kipp.text.chat renders"):
         require_chat_template(TokenizerData(("a",), (1,), (), 0, template + " "))
     require_chat_template(TokenizerData(("a",), (1,), (), 0, thinking_2507_template()))
 
@@ -216,7 +224,7 @@ def test_every_conversation_with_tools_matches_transformers(hf_tokenizer, name, 
 def test_thinking_2507_template_matches_transformers(hf_tokenizer, name, tools,
                                                      generation_prompt, thinking):
     """The Qwen3-4B-Thinking-2507 template Kipp carries, rendered by transformers' jinja, and
-    kipp.chat's Python rendering of it (enable_thinking is ignored by both)."""
+    kipp.text.chat's Python rendering of it (enable_thinking is ignored by both)."""
     messages, tool_list = CONVERSATIONS[name], TOOL_SETS[tools]
     expected = upstream(hf_tokenizer, messages, tools=tool_list,
                         chat_template=thinking_2507_template(),
@@ -263,8 +271,8 @@ def test_close_reasoning_starts_the_answer_at_once(hf_tokenizer):
 def test_a_model_refuses_a_template_its_entry_does_not_ship(models, monkeypatch):
     model = models("kipp-synthetic/qwen3-tiny")
     assert model.chat_template == "qwen3"
-    import kipp.chat
+    import kipp.text.chat
 
-    monkeypatch.setitem(kipp.chat.ENTRY_TEMPLATES, model.entry.id, "qwen3-thinking-2507")
+    monkeypatch.setitem(kipp.text.chat.ENTRY_TEMPLATES, model.entry.id, "qwen3-thinking-2507")
     with pytest.raises(ChatError, match="ships the qwen3-thinking-2507 chat template"):
         model.chat_template

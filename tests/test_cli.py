@@ -18,8 +18,8 @@ import pytest
 
 from kipp import cli
 from kipp.cli import main as cli_main
-from kipp.model import Model, load
-from kipp.sampling import SamplingParams
+from kipp.model import Model
+from kipp.text.sampling import SamplingParams
 
 TINY = "kipp-synthetic/qwen3-tiny"
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-
-from kipp.cuda import cpu_attention  # noqa: E402
-from kipp.cuda.prefill_attention import paged_attention_reference  # noqa: E402
 from test_jax_kernels import _numpy_attention  # noqa: E402
+
+from kipp.cuda.cpu import attention as cpu_attention  # noqa: E402
+from kipp.cuda.pallas.prefill_attention import paged_attention_reference  # noqa: E402
 
 BOUND = 2e-6
 
@@ -116,9 +116,9 @@ def test_the_jax_backend_decodes_through_it(artifacts, monkeypatch):
     says so) and agree with the twin's within the gates' bound; q8_0 KV and the switch keep the
     twin."""
     from kipp import gates
-    from kipp.artifact import open_artifact
     from kipp.backend import EvalItem
     from kipp.cuda.backend import JaxBackend
+    from kipp.formats.artifact import open_artifact
 
     artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", "bf16"))
     prompt = tuple(int(t) for t in np.random.default_rng(0).integers(0, 151_643, 40))

@@ -13,7 +13,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from kipp.cuda import cpu_matmul  # noqa: E402
+from kipp.cuda.cpu import matmul as cpu_matmul  # noqa: E402
 
 BOUND = 1e-5
 
@@ -90,8 +90,8 @@ def test_a_failed_compile_names_the_error(monkeypatch, tmp_path):
 
 
 def test_switch_off_and_backend_layout(monkeypatch, artifacts):
-    from kipp.artifact import open_artifact
     from kipp.cuda.backend import JaxBackend
+    from kipp.formats.artifact import open_artifact
 
     artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny", "bf16"))
     monkeypatch.setenv(cpu_matmul.ENV, "0")

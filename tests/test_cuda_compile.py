@@ -1,7 +1,7 @@
 """The CUDA path compiled for an H200 (sm_90a) on this machine, without a GPU (kipp.cuda.aot).
 
 Every Pallas kernel in every weight format and KV scheme at the shapes of every registry
-checkpoint (kipp.cuda.kernel_shapes), and the whole step with kernels on, go through Triton's
+checkpoint (kipp.cuda.pallas.kernel_shapes), and the whole step with kernels on, go through Triton's
 GPU passes and ptxas as on the GPU machine; each kernel must also be free of register spills
 (ptxas -v), fit the H200's shared memory, and run its multi-row dots on the tensor cores (BF16
 `wgmma`/`mma` in its PTX) while one-row matvecs stay on the CUDA cores. A kernel over the
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no H200 compile her
 
 import jax.numpy as jnp  # noqa: E402
 
-from kipp import registry  # noqa: E402
-from kipp.cuda import forward, kernel_shapes, sharding  # noqa: E402
+from kipp.cuda import forward, sharding  # noqa: E402
+from kipp.cuda.pallas import kernel_shapes
+from kipp.formats import registry  # noqa: E402
 
 SHARED_MEMORY_LIMIT = 232448  # bytes per block, opt-in (aot.H200_TARGET_CONFIG)
 COMPILED: list[tuple[str, str]] = []  # (case id, outcome): printed by conftest at the end

@@ -7,7 +7,7 @@ import pytest
 
 from kipp import doctor, probe
 from kipp.cli import main as cli_main
-from kipp.registry import get as registry_entry
+from kipp.formats.registry import get as registry_entry
 
 TINY = "kipp-synthetic/qwen3-tiny"
 

@@ -1,4 +1,4 @@
-"""kipp.download through huggingface_hub's real cache code path, offline.
+"""kipp.formats.download through huggingface_hub's real cache code path, offline.
 
 Each test lays a synthetic checkpoint into a Hugging Face cache layout in tmp_path exactly as
 huggingface_hub writes it (blobs named by etag, snapshot links, refs) and runs with offline mode
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kipp import download as dl
-from kipp import registry, synthetic
 from kipp.errors import DownloadError, RegistryError
+from kipp.formats import download as dl
+from kipp.formats import registry
+from kipp.synthetic import writer as synthetic
 
 TINY = "kipp-synthetic/qwen3-tiny"
 UNTIED = "kipp-synthetic/qwen3-tiny-untied"

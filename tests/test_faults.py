@@ -1,8 +1,8 @@
-"""The fault catalogue (kipp.faults): every planted fault is caught by the checks it names,
+"""The fault catalogue (faults): every planted fault is caught by the checks it names,
 and every check passes on the unplanted code.
 
 The checks are small, named versions of Kipp's gates and contract tests, on the tiny synthetic
-checkpoint (whose greedy tokens follow a designed rule that needs attention: kipp.synthetic).
+checkpoint (whose greedy tokens follow a designed rule that needs attention: kipp.synthetic.writer).
 docs/faults.md is the catalogue as a table; test_the_docs_table_is_the_catalogue keeps it in
 step (regenerate it: `PYTHONPATH=. python tests/test_faults.py > docs/faults.md`).
 The full plant-and-check run takes several minutes on 2 cores: it is `slow` (.ci/run runs it).
@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kipp import faults, gates
-from kipp.blocks import BLOCK_SIZE, BlockPool
+import faults
+from kipp import gates
+from kipp.backend import KV_BLOCK
+from kipp.engine.blocks import BlockPool
+from kipp.engine.spec import SpecError
 from kipp.model import load
-from kipp.sampling import Sampler, SamplingParams, adjusted_logits
-from kipp.spec import SpecError
+from kipp.text.sampling import Sampler, SamplingParams, adjusted_logits
 
 TINY = "kipp-synthetic/qwen3-tiny"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "faults.md"
@@ -90,7 +92,7 @@ def check_pool(env) -> bool:
     """A workload of sessions sharing a prefix, on the pool alone: the invariants after every
     operation, and every block back (free or cached) at the end."""
     pool = BlockPool(6)
-    a = [int(t) for t in np.arange(100, 100 + 3 * BLOCK_SIZE + 5)]
+    a = [int(t) for t in np.arange(100, 100 + 3 * KV_BLOCK + 5)]
     try:
         first = pool.allocate(4)
         pool.check()
@@ -132,7 +134,7 @@ def check_sampling(env) -> bool:
 
 def check_spec(env) -> bool:
     """Speculative greedy on copy-like prompts emits the designed greedy tokens."""
-    from kipp.synthetic import designed_rule, live_token_ids
+    from kipp.synthetic.writer import designed_rule, live_token_ids
 
     model = env.reference()
     rule = designed_rule(model.entry)
@@ -155,8 +157,8 @@ def check_spec(env) -> bool:
 def check_scheduler(env) -> bool:
     """Three greedy requests scheduled together, prefill in 8-token chunks: each emits the
     designed greedy tokens."""
-    from kipp.scheduler import Request, Scheduler, collect
-    from kipp.synthetic import designed_rule
+    from kipp.engine.scheduler import Request, Scheduler, collect
+    from kipp.synthetic.writer import designed_rule
 
     model = env.reference()
     rule = designed_rule(model.entry)
@@ -199,7 +201,7 @@ def metal_catalogue() -> list[dict]:
 def faults_table() -> str:
     """docs/faults.md: the catalogue as a markdown table."""
     lines = ["# Fault catalogue", "",
-             "Bugs planted on purpose (kipp/faults/), each of which the named checks must "
+             "Bugs planted on purpose (tests/faults/), each of which the named checks must "
              "catch; `pytest -m slow tests/test_faults.py` plants every one and runs its "
              "checks, and runs every check on the unplanted code. Generated from the "
              "catalogue by `tests/test_faults.py::faults_table`.", "",
@@ -250,9 +252,9 @@ def test_the_docs_table_is_the_catalogue():
 
 
 def test_the_attention_replica_is_the_shipped_attention(artifacts):
-    """kipp.faults.forward plants its attention faults through a copy of the reference's
+    """faults.forward plants its attention faults through a copy of the reference's
     _attention; unchanged, that copy must be bitwise the original."""
-    from kipp.faults.forward import attention_variant
+    from faults.forward import attention_variant
     from kipp.reference import backend
 
     model = load(artifacts(TINY), backend="reference", kv_tokens=256, progress=False)

@@ -1,11 +1,15 @@
 """The package's import structure, read from the source (nothing is imported):
 
 - no backend package (kipp.reference, kipp.apple, kipp.cuda) imports another one: each depends
-  only on the core and its own framework (the core reaches them by name, in kipp.backends);
+  only on the core and its own framework (the core reaches them by name, in kipp.chooser);
 - no two kipp modules import each other, directly or through others, counting every import
-  statement: module level, inside functions and under TYPE_CHECKING.
+  statement: module level, inside functions and under TYPE_CHECKING;
+- the layers hold (LAYERS): the text and formats packages import nothing from the engine, the
+  engine nothing from the API, the server or a backend package, a backend package nothing
+  from the engine but its round planner; only the backend chooser (kipp.chooser) opens a
+  backend package.
 
-Both checks are shown to catch a planted fault on a small package written to a temporary folder.
+Each check is shown to catch a planted fault on a small package written to a temporary folder.
 """
 
 import ast
@@ -13,6 +17,20 @@ from pathlib import Path
 
 KIPP = Path(__file__).resolve().parent.parent / "kipp"
 BACKEND_PACKAGES = ("kipp.reference", "kipp.apple", "kipp.cuda")
+UPPER = ("kipp.model", "kipp.http", "kipp.cli", "kipp.doctor", "kipp.gates", "kipp.chooser")
+# group -> module prefixes it must not import (a prefix names a package or a module)
+LAYERS = {
+    "kipp.text": ("kipp.engine", "kipp.synthetic") + UPPER + BACKEND_PACKAGES,
+    "kipp.formats": ("kipp.engine",) + UPPER + BACKEND_PACKAGES,
+    "kipp.synthetic": ("kipp.engine",) + UPPER + BACKEND_PACKAGES,
+    "kipp.engine": UPPER + BACKEND_PACKAGES,
+    "kipp.http": ("kipp.cli", "kipp.gates", "kipp.doctor", "kipp.chooser") + BACKEND_PACKAGES,
+}
+# A backend package reaches the core's arrays-level pieces only; its tooling modules (a kernel
+# benchmark, the shard check) may use the gates and the chooser.
+BACKEND_FORBIDDEN = ("kipp.engine", "kipp.text", "kipp.http", "kipp.model", "kipp.cli")
+BACKEND_ALLOWED = ("kipp.engine.rounds",)
+BACKEND_TOOLS = ("kipp.cuda.bench", "kipp.cuda.shard_check")
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -88,6 +106,32 @@ def cross_backend_imports(graph: dict[str, set[str]], packages=BACKEND_PACKAGES)
                   if owner(m) and owner(dep) and owner(m) != owner(dep))
 
 
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, deps in graph.items():
+        for dep in deps:
+            for group, forbidden in LAYERS.items():
+                if _within(module, group) and any(_within(dep, f) for f in forbidden):
+                    found.append(f"{module} imports {dep}")
+            backend = any(_within(module, p) for p in BACKEND_PACKAGES)
+            if (backend and module not in BACKEND_TOOLS
+                    and any(_within(dep, f) for f in BACKEND_FORBIDDEN + UPPER)
+                    and dep not in BACKEND_ALLOWED):
+                found.append(f"{module} imports {dep}")
+            if (not backend and module != "kipp.chooser"
+                    and any(_within(dep, p) for p in BACKEND_PACKAGES)):
+                found.append(f"{module} imports {dep} (only kipp.chooser opens a backend)")
+    return sorted(set(found))
+
+
+def test_the_layers_hold():
+    assert layer_violations(import_graph(KIPP)) == []
+
+
 def test_no_backend_package_imports_another():
     graph = import_graph(KIPP)
     assert {"kipp.apple.backend", "kipp.cuda.backend", "kipp.reference.backend"} <= set(graph)
@@ -111,3 +155,23 @@ def test_the_checks_catch_planted_faults(tmp_path):
     graph = import_graph(pkg)
     assert cross_backend_imports(graph) == ["kipp.apple.backend imports kipp.cuda.rounds"]
     assert cycles(graph) == [["kipp.model", "kipp.session"]]
+
+
+def test_the_layer_check_catches_planted_faults(tmp_path):
+    pkg = tmp_path / "kipp"
+    for folder in (pkg, pkg / "text", pkg / "engine", pkg / "cuda"):
+        folder.mkdir()
+        (folder / "__init__.py").write_text("")
+    (pkg / "text" / "stops.py").write_text("from kipp.engine import blocks\n")
+    (pkg / "engine" / "blocks.py").write_text("")
+    (pkg / "engine" / "rounds.py").write_text("")
+    (pkg / "engine" / "spec.py").write_text("import kipp.cuda.forward\n")
+    (pkg / "cuda" / "forward.py").write_text("from kipp.engine import rounds, blocks\n")
+    (pkg / "gates.py").write_text("def f():\n    from kipp.cuda import forward\n")
+    assert layer_violations(import_graph(pkg)) == [
+        "kipp.cuda.forward imports kipp.engine.blocks",
+        "kipp.engine.spec imports kipp.cuda.forward",
+        "kipp.engine.spec imports kipp.cuda.forward (only kipp.chooser opens a backend)",
+        "kipp.gates imports kipp.cuda.forward (only kipp.chooser opens a backend)",
+        "kipp.text.stops imports kipp.engine.blocks",
+    ]

@@ -16,10 +16,10 @@ import pytest
 jax = pytest.importorskip("jax")
 
 from kipp import gates  # noqa: E402
-from kipp.artifact import open_artifact  # noqa: E402
 from kipp.backend import EvalError, EvalItem  # noqa: E402
 from kipp.cuda import select  # noqa: E402
 from kipp.cuda.backend import JaxBackend  # noqa: E402
+from kipp.formats.artifact import open_artifact  # noqa: E402
 from kipp.reference.backend import ReferenceBackend  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
@@ -78,7 +78,8 @@ def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, weight_memory, kv
     through the unrolled step, give bitwise the same logits and slab, for a round mixing a
     prefill chunk and a decode row, and a decode-only round (Kipp's CPU attention on a BF16
     slab), over a slab that already holds KV."""
-    from kipp.cuda import cpu_matmul, forward, rounds
+    from kipp.cuda import forward, rounds
+    from kipp.cuda.cpu import matmul as cpu_matmul
 
     if weight_memory == "float32" and not cpu_matmul.available()[0]:
         pytest.skip(f"Kipp's CPU matmul: {cpu_matmul.available()[1]}")
@@ -194,7 +195,7 @@ def test_steady_state_decode_does_not_recompile(artifacts):
 
 
 def test_a_prefill_round_compiles_its_one_token_program(artifacts):
-    """A repeated prompt adopts all but its last token (kipp.blocks' tails) and evaluates that
+    """A repeated prompt adopts all but its last token (kipp.engine.blocks' tails) and evaluates that
     one with the decode program of the prompt's block width: compiled with the prefill, so the
     cache hit never waits on a compile."""
     from kipp.cuda.rounds import Bucket

@@ -1,4 +1,4 @@
-"""Every Pallas kernel vs its jax.numpy twin vs the numpy reference (kipp.quant, kipp.reference).
+"""Every Pallas kernel vs its jax.numpy twin vs the numpy reference (kipp.formats.quant, kipp.reference).
 
 On a CPU the kernels run in Pallas interpret mode; on a GPU they run compiled (set
 KIPP_PALLAS_INTERPRET=1 to force interpret mode there). Shapes are drawn within the family's:
@@ -16,14 +16,17 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from kipp import quant  # noqa: E402
-from kipp.artifact import Tensor  # noqa: E402
-from kipp.cuda.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from kipp.cuda.layout import pack_linear  # noqa: E402
-from kipp.cuda.prefill_attention import (  # noqa: E402
-    paged_attention_reference, prefill_attention)
-from kipp.cuda.quant_matmul import (  # noqa: E402
-    MATVEC_ROWS, dequantize_reference, quant_matmul, quant_matmul_reference)
+from kipp.cuda.pallas.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kipp.cuda.pallas.prefill_attention import paged_attention_reference, prefill_attention  # noqa: E402
+from kipp.cuda.pallas.quant_matmul import (  # noqa: E402
+    MATVEC_ROWS,
+    dequantize_reference,
+    quant_matmul,
+    quant_matmul_reference,
+)
+from kipp.formats import quant  # noqa: E402
+from kipp.formats.artifact import Tensor  # noqa: E402
 from kipp.reference import ops  # noqa: E402
 
 INTERPRET = os.environ.get("KIPP_PALLAS_INTERPRET",
@@ -52,7 +55,7 @@ def test_twin_dequantizer_is_bitwise_the_numpy_dequantizer(scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_matmul_kernel_dequantizes_exactly(scheme):
     """x = identity makes every output one weight times 1 plus exact zeros: the kernel's
-    dequantized tile, which must equal kipp.quant.dequantize (as values: -0 == +0)."""
+    dequantized tile, which must equal kipp.formats.quant.dequantize (as values: -0 == +0)."""
     rng = np.random.default_rng(2)
     w, want = _packed(rng, 64, 96, scheme)
     got = np.asarray(quant_matmul(jnp.eye(96, dtype=jnp.float32), w, interpret=INTERPRET))
@@ -168,7 +171,7 @@ def test_twin_one_query_per_sequence_matches_numpy(heads, monkeypatch):
     """Decode rounds take the all-pairs form (every query head against all KV heads' rows,
     the other heads masked): it must equal numpy's attention per sequence and the grouped form
     it replaces (planted: the own-head mask dropped, every row off by ~1e-1)."""
-    from kipp.cuda import prefill_attention as pa
+    from kipp.cuda.pallas import prefill_attention as pa
 
     rng = np.random.default_rng(11)
     k, v = _slab(rng, 16)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kipp import gates, probe
-from kipp.artifact import open_artifact
+from kipp.formats.artifact import open_artifact
 from kipp.model import Model
 from kipp.reference.backend import ReferenceBackend
 
@@ -217,7 +217,7 @@ def jax_faults(monkeypatch):
     """Pallas kernels in interpret mode, except: matmul/q8_0 (quant_matmul's tile-dot body on
     q8_0 weights) fails to compile, decode_attention/bf16 returns wrong numbers."""
     pytest.importorskip("jax")
-    from kipp.cuda import decode_attention, quant_matmul
+    from kipp.cuda.pallas import decode_attention, quant_matmul
 
     real_matmul, real_decode = quant_matmul.quant_matmul, decode_attention.decode_attention
     calls = {}

@@ -1,4 +1,4 @@
-"""The q8_0 KV cache: kipp.kvquant against kipp.quant, and each backend's q8_0 slab against its
+"""The q8_0 KV cache: kipp.formats.kvquant against kipp.formats.quant, and each backend's q8_0 slab against its
 BF16 slab, against the other backend, and against its own block-table layout.
 
 Bounds. Per value, q8_0 KV is off by at most d/2 = amax/254 of its 32-value block (about 0.4%
@@ -12,10 +12,11 @@ DESIGN.md's 1e-4 between backends.
 import numpy as np
 import pytest
 
-from kipp import gates, kvquant, quant
-from kipp.artifact import open_artifact
+from kipp import gates
 from kipp.backend import EvalItem
 from kipp.errors import KippError
+from kipp.formats import kvquant, quant
+from kipp.formats.artifact import open_artifact
 from kipp.model import Model, load
 from kipp.reference.backend import ReferenceBackend
 
@@ -199,13 +200,13 @@ def _numpy_attention(q, k, v, position, table):
 @pytest.mark.parametrize("heads", [16, 40])  # query groups of 2 and 5 per KV head
 def test_attention_kernels_on_q8_0_slabs(heads):
     """Decode and prefill kernels (interpret mode on a CPU) and their twins on a q8_0 slab vs
-    numpy attention over kipp.kvquant's dequantized values."""
+    numpy attention over kipp.formats.kvquant's dequantized values."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from kipp.cuda.decode_attention import decode_attention, decode_attention_reference
     from kipp.cuda.layout import QuantizedKV
-    from kipp.cuda.prefill_attention import paged_attention_reference, prefill_attention
+    from kipp.cuda.pallas.decode_attention import decode_attention, decode_attention_reference
+    from kipp.cuda.pallas.prefill_attention import paged_attention_reference, prefill_attention
 
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(heads)
@@ -285,8 +286,8 @@ def test_q8_0_kv_kernels_lower_for_cuda(artifacts):
 
 def test_pool_sized_in_bytes_holds_more_tokens_with_q8_0_kv(artifacts):
     from kipp.errors import KippError
+    from kipp.formats.registry import get
     from kipp.model import kv_tokens_for, load
-    from kipp.registry import get
 
     entry = get("kipp-synthetic/qwen3-tiny")
     bf16, q8 = kv_tokens_for(entry, "bf16", 4), kv_tokens_for(entry, "q8_0", 4)

@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from kipp.model import load  # noqa: E402
-from kipp.sampling import logprobs  # noqa: E402
-
 from test_server import TINY, Server  # noqa: E402
+
+from kipp.model import load  # noqa: E402
+from kipp.text.sampling import logprobs  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 MAX_GEN_TOKS = 12

@@ -19,8 +19,15 @@ pytestmark = pytest.mark.skipif(
            "kernels run on Metal itself (bench/mac_check.sh)")
 
 import ml_dtypes  # noqa: E402
-from metal_emulator import (CompileError, CompilerMissing, Emulator, EmulatorError,  # noqa: E402
-                            KernelFault, check_strict, toolchain)
+from metal_emulator import (  # noqa: E402
+    CompileError,
+    CompilerMissing,
+    Emulator,
+    EmulatorError,
+    KernelFault,
+    check_strict,
+    toolchain,
+)
 
 from kipp.apple.metal import KernelSpec  # noqa: E402
 

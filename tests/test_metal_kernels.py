@@ -1,7 +1,7 @@
 """Kipp's Metal kernels, run here: the exact source MLX generates for each kernel call, compiled
 as C++ against the Metal emulator (tools/metal_emulator) and run on the CPU, one fiber per GPU
 thread, under AddressSanitizer + UndefinedBehaviorSanitizer, against the MLX-op twin and the
-numpy reference (float64 on kipp.quant's dequantized weights / kipp.kvquant's KV).
+numpy reference (float64 on kipp.formats.quant's dequantized weights / kipp.formats.kvquant's KV).
 
 Default suite: every kernel and format at small shapes, planted faults, the whole model on the
 emulated kernels (one configuration). Slow (.ci/run): one real registry shape per kernel,
@@ -29,12 +29,13 @@ pytestmark = pytest.mark.skipif(
 
 from metal_emulator import CompileError, Emulator, KernelFault, check_strict  # noqa: E402
 
-from kipp import gates, kvquant, quant  # noqa: E402
+from kipp import gates  # noqa: E402
 from kipp.apple import attention, linear, repack  # noqa: E402
 from kipp.apple.backend import MLXBackend  # noqa: E402
-from kipp.artifact import open_artifact  # noqa: E402
 from kipp.backend import EvalItem  # noqa: E402
 from kipp.errors import KippError  # noqa: E402
+from kipp.formats import kvquant, quant
+from kipp.formats.artifact import open_artifact  # noqa: E402
 from kipp.model import Model  # noqa: E402
 from kipp.reference.backend import ReferenceBackend  # noqa: E402
 

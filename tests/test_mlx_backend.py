@@ -18,15 +18,19 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from kipp import gates, kvquant, quant  # noqa: E402
+from kipp import gates  # noqa: E402
 from kipp.apple import attention, linear, repack, select  # noqa: E402
 from kipp.apple.backend import MLXBackend  # noqa: E402
 from kipp.apple.kvcache import dequantize_q8_0, quantize_q8_0  # noqa: E402
-from kipp.artifact import open_artifact  # noqa: E402
-from kipp.backend import EvalError, EvalItem  # noqa: E402
+from kipp.backend import (  # noqa: E402
+    KV_BLOCK,  # noqa: E402
+    EvalError,
+    EvalItem,
+)
 from kipp.errors import KippError  # noqa: E402
+from kipp.formats import kvquant, quant
+from kipp.formats.artifact import open_artifact  # noqa: E402
 from kipp.reference.backend import ReferenceBackend  # noqa: E402
-from kipp.registry import KV_BLOCK  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 UNTIED = "kipp-synthetic/qwen3-tiny-untied"
@@ -192,7 +196,7 @@ def _weights(rows=48, cols=256, seed=0):
 
 @pytest.mark.parametrize("scheme", QUANTIZED)
 def test_affine_repack_dequantizes_bitwise(scheme):
-    """mx.dequantize of the repack == kipp.quant.dequantize, bit for bit; the one exception,
+    """mx.dequantize of the repack == kipp.formats.quant.dequantize, bit for bit; the one exception,
     scale4's -0.0 (d < 0, q = 8) where MLX's 8 d + (-8 d) is +0.0, is counted exactly."""
     w = _weights()
     raw = quant.quantize(w, scheme)
@@ -213,7 +217,7 @@ def test_affine_repack_dequantizes_bitwise(scheme):
 
 @pytest.mark.parametrize("scheme", QUANTIZED)
 def test_kernel_planes_hold_the_artifact_bytes(scheme):
-    """The kernels' planes, decoded with the kernels' arithmetic, are kipp.quant bit for bit."""
+    """The kernels' planes, decoded with the kernels' arithmetic, are kipp.formats.quant bit for bit."""
     w = _weights(seed=1)
     raw = quant.quantize(w, scheme)
     p = repack.to_planes(raw, scheme, w.shape[1])
@@ -336,8 +340,8 @@ def test_describe_names_the_path_for_the_bench(artifacts, monkeypatch):
 
 
 def test_auto_picks_mlx_on_apple_silicon(monkeypatch):
-    from kipp import backends
     import kipp.cuda
+    from kipp import chooser as backends
 
     monkeypatch.setattr(kipp.cuda, "jax_sees_gpu", lambda: False)
     monkeypatch.setattr(backends, "apple_silicon", lambda: True)
@@ -411,7 +415,7 @@ def _planes(scheme, rows=64, cols=128):
 @pytest.mark.parametrize("fmt", linear.FORMATS)
 def test_linear_twin_matches_the_numpy_dequantizer(fmt):
     """The twin on either side of DEQUANTIZE_ROWS (quantized matmul below, transient dequantize
-    from there) and over two row shards == x @ W^T on kipp.quant's dequantized weights."""
+    from there) and over two row shards == x @ W^T on kipp.formats.quant's dequantized weights."""
     _, one, dense = _planes(fmt, rows=96, cols=256)
     if fmt == "bf16":
         two = linear.twin_of(dense, "f32", 256, n_shards=2)

@@ -14,10 +14,10 @@ import pytest
 
 import kipp
 import kipp.model
-from kipp.chat import render
 from kipp.display import html_view
 from kipp.errors import KippError, MissingExtra, QuantError
 from kipp.model import GenerationError, load
+from kipp.text.chat import render
 
 TINY = "kipp-synthetic/qwen3-tiny"
 
@@ -185,7 +185,7 @@ def test_a_borrowed_session_keeps_the_shared_prefix_and_cuts_the_rest(models):
     want_b = model.generate(second, max_tokens=3, temperature=0)
     with model.session() as s:
         a = model.generate(first, max_tokens=3, temperature=0, session=s, stream=True)
-        # adopted from the pool: block 0 and the cached tail of block 1 (kipp.blocks), all but
+        # adopted from the pool: block 0 and the cached tail of block 1 (kipp.engine.blocks), all but
         # the prompt's last token, which is evaluated for its logits
         assert "".join(a) == want_a and a.stats.reused_tokens == len(first) - 1
         assert s.tokens == first + a.stats.tokens[:-1]  # the last token was never evaluated
@@ -284,13 +284,13 @@ def test_progress_bars_are_tqdm_auto_widgets_in_jupyter(monkeypatch):
     ipywidgets bar in a notebook kernel and a text bar on stderr elsewhere."""
     import tqdm.auto
 
-    import kipp.convert
-    import kipp.download
-    import kipp.synthetic
+    import kipp.formats.convert
+    import kipp.formats.download
+    import kipp.synthetic.writer
     from kipp.display import step_bar
 
-    assert kipp.synthetic.tqdm is tqdm.auto.tqdm and kipp.convert.tqdm is tqdm.auto.tqdm
-    assert issubclass(kipp.download.hf_tqdm, tqdm.auto.tqdm)
+    assert kipp.synthetic.writer.tqdm is tqdm.auto.tqdm and kipp.formats.convert.tqdm is tqdm.auto.tqdm
+    assert issubclass(kipp.formats.download.hf_tqdm, tqdm.auto.tqdm)
     made = []
 
     class Recording(tqdm.auto.tqdm):

@@ -1,4 +1,4 @@
-"""kipp.quant: GGML layouts checked against the `gguf` package, encoder error bounds, rejections."""
+"""kipp.formats.quant: GGML layouts checked against the `gguf` package, encoder error bounds, rejections."""
 
 from fractions import Fraction
 
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kipp import quant
 from kipp.errors import QuantError
-from kipp.quant import SCHEMES, dequantize, error_bound, quantize
+from kipp.formats import quant
+from kipp.formats.quant import SCHEMES, dequantize, error_bound, quantize
 
 BLOCK_SCHEMES = ["q8_0", "affine4_gs32", "scale4_gs32"]
 GGUF_TYPE = {

@@ -5,14 +5,14 @@ import pytest
 
 import kipp
 from kipp import gates
-from kipp.artifact import open_artifact
 from kipp.backend import EvalError, EvalItem
-from kipp.blocks import PoolExhausted
 from kipp.cli import main as cli_main
+from kipp.engine.blocks import PoolExhausted
+from kipp.engine.session import SessionError
 from kipp.errors import ArtifactError, RegistryError
+from kipp.formats.artifact import open_artifact
 from kipp.model import GenerationError, load
 from kipp.reference import ops
-from kipp.session import SessionError
 
 TINY = "kipp-synthetic/qwen3-tiny"
 UNTIED = "kipp-synthetic/qwen3-tiny-untied"
@@ -303,7 +303,7 @@ def test_cli_gates_prints_a_passing_table(artifacts, synthetic_dir, capsys):
 @pytest.mark.slow
 def test_reference_matches_transformers_at_the_0_6b_shape(synthetic_dir, tmp_path):
     checkpoint_id = "kipp-synthetic/qwen3-0.6b-shape"
-    from kipp.convert import convert
+    from kipp.formats.convert import convert
 
     source = synthetic_dir(checkpoint_id)
     path = convert(checkpoint_id, source, "bf16", tmp_path / "bf16.gguf", progress=False)

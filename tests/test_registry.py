@@ -2,8 +2,8 @@
 
 import pytest
 
-from kipp import registry
 from kipp.errors import RegistryError
+from kipp.formats import registry
 
 
 def test_family_invariants_hold_for_every_entry():

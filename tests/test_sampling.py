@@ -1,4 +1,4 @@
-"""kipp.sampling: exact supports, distributions, penalties, seeds and logprobs on full-size vocabs.
+"""kipp.text.sampling: exact supports, distributions, penalties, seeds and logprobs on full-size vocabs.
 
 Expected supports and probabilities are computed here independently, in float64, by plainly
 sorting the whole vocab. Logits are never all-zero: either seeded normal * 3 (a realistic
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kipp.errors import KippError
-from kipp.sampling import (
+from kipp.text.sampling import (
     VOCAB_SIZE,
     Sampler,
     SamplingError,

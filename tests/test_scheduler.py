@@ -6,13 +6,21 @@ scheduling must give bitwise the same tokens for the same seed on the reference 
 
 import pytest
 
-from kipp.blocks import BLOCK_SIZE
+from kipp.backend import KV_BLOCK
+from kipp.engine.scheduler import (
+    Delta,
+    Done,
+    Failed,
+    QueueFull,
+    Request,
+    Scheduler,
+    SchedulerError,
+    collect,
+)
+from kipp.formats.registry import IM_END_ID
 from kipp.model import load
-from kipp.registry import IM_END_ID
-from kipp.sampling import SamplingParams
-from kipp.scheduler import (Delta, Done, Failed, QueueFull, Request, Scheduler,
-                            SchedulerError, collect)
-from kipp.synthetic import designed_rule, live_token_ids
+from kipp.synthetic.writer import designed_rule, live_token_ids
+from kipp.text.sampling import SamplingParams
 
 TINY = "kipp-synthetic/qwen3-tiny"
 
@@ -72,7 +80,7 @@ def test_n_choices_share_the_prompt_and_sample_independently(model):
     assert tokens[0] == isolated(model, prompt, 10, temperature=2.0, seed=5)[0]
     assert reasons == ["length"] * 3 and done.completion_tokens == 30
     assert len({tuple(t) for t in tokens}) > 1, "choices drew identical samples"
-    shared = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    shared = (len(prompt) - 1) // KV_BLOCK * KV_BLOCK
     assert scheduler.counters["reused_tokens"] >= 2 * shared  # both followers adopted
 
 
@@ -88,7 +96,7 @@ def test_finished_request_prefix_is_adopted(model):
     assert first_done.cached_tokens == 0
     # The full blocks, then the first request's tail (its prompt's last partial block and the
     # tokens it generated there) for the prompt tokens it agrees on: the whole first prompt.
-    assert len(long_prompt) % BLOCK_SIZE + 3 < BLOCK_SIZE
+    assert len(long_prompt) % KV_BLOCK + 3 < KV_BLOCK
     assert done.cached_tokens == len(long_prompt)
     assert done.timings["cache_n"] == done.cached_tokens
     assert done.timings["prompt_n"] == len(long_prompt) + 2 - done.cached_tokens
@@ -103,7 +111,7 @@ def test_repeated_prompt_evaluates_only_its_last_token(model):
     """The same prompt again adopts everything but its last token (full blocks and the cached
     tail), evaluates one token in one step, and gives the isolated run's tokens."""
     prompt = model.tokenizer.encode("A prompt that ends inside a block. " * 9)
-    assert len(prompt) % BLOCK_SIZE
+    assert len(prompt) % KV_BLOCK
     scheduler = Scheduler(model, prefill_chunk=16)
     scheduler.submit(Request(prompt=prompt, max_tokens=1))
     drive(scheduler)
@@ -118,7 +126,7 @@ def test_repeated_prompt_evaluates_only_its_last_token(model):
 
 
 def test_pool_pressure_delays_admission_and_every_request_completes(artifacts):
-    small = load(artifacts(TINY), backend="reference", kv_tokens=8 * BLOCK_SIZE,
+    small = load(artifacts(TINY), backend="reference", kv_tokens=8 * KV_BLOCK,
                  progress=False)
     ps = [small.tokenizer.encode(f"request number {i} " * (i + 2)) for i in range(5)]
     expected = [isolated(small, p, 40, temperature=0)[0] for p in ps]
@@ -190,7 +198,7 @@ def test_logprobs_come_from_the_raw_logits(model):
     assert [lp.token for lp in lps] == [t for d in deltas for t in d.tokens]
     with model.session() as s:
         logits = s.eval(prompt)[0]
-    from kipp.sampling import log_softmax
+    from kipp.text.sampling import log_softmax
 
     ref = log_softmax(logits)
     assert lps[0].token == int(ref.argmax())
@@ -255,7 +263,7 @@ def test_speculative_scheduler_emits_plain_greedy_tokens(model):
     ps = [prompts(model)[0], repetitive]
     greedy = [isolated(model, p, 24, temperature=0)[0] for p in ps]
     # Designed text, then its first three tokens again: the synthetic model's greedy next
-    # token is a rule of the last three (kipp.synthetic.designed_rule), so it follows the same
+    # token is a rule of the last three (kipp.synthetic.writer.designed_rule), so it follows the same
     # text from there and the drafter's copy of it is accepted.
     live = live_token_ids(model.entry)
     head = [int(live[i]) for i in (3, 10, 17)]

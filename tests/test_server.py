@@ -420,8 +420,8 @@ def test_server_keeps_serving_after_bad_input_and_odd_requests(server):
 def test_base_checkpoint_refuses_chat_and_a_full_queue_answers_503(artifacts):
     """In-process app over a scheduler whose engine thread is not started: nothing runs, so the
     queue fills deterministically."""
+    from kipp.engine.scheduler import Scheduler
     from kipp.http.app import create_app
-    from kipp.scheduler import Scheduler
 
     model = load(artifacts("kipp-synthetic/qwen3-tiny-base"), backend="reference",
                  kv_tokens=1024, progress=False)

@@ -3,7 +3,7 @@ and the scheduler driven step by step. What evaluation clients need (echo with p
 batched prompts), what hostile clients send (deep JSON, odd prompts and biases), the default
 pool against the default chat, the drain, and seeded sampling on a batch-variant backend.
 
-Oracles: Session.eval rows and kipp.sampling.logprobs for prompt scores, Model.generate and
+Oracles: Session.eval rows and kipp.text.sampling.logprobs for prompt scores, Model.generate and
 single-prompt requests for batched ones, the same request alone for a seeded one under load.
 """
 
@@ -17,14 +17,13 @@ import pytest
 pytest.importorskip("flask")
 pytest.importorskip("prometheus_client")
 
-from kipp.blocks import BLOCK_SIZE  # noqa: E402
+from kipp.backend import KV_BLOCK  # noqa: E402
+from kipp.engine.scheduler import Done, Failed, Request, Scheduler, ShuttingDown, collect  # noqa: E402
+from kipp.formats.registry import IM_END_ID  # noqa: E402
 from kipp.http.app import MAX_JSON_DEPTH, create_app  # noqa: E402
 from kipp.http.schema import MAX_STOP_CHARS  # noqa: E402
 from kipp.model import load  # noqa: E402
-from kipp.registry import IM_END_ID  # noqa: E402
-from kipp.sampling import SamplingParams, logprobs  # noqa: E402
-from kipp.scheduler import (Done, Failed, Request, Scheduler, ShuttingDown,  # noqa: E402
-                            collect)
+from kipp.text.sampling import SamplingParams, logprobs  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 END_NOW = {str(IM_END_ID): 100}  # a bias that ends every choice at its first token
@@ -231,12 +230,12 @@ def _wait(condition, timeout=30):
 def test_default_max_tokens_is_a_share_of_the_pool(model):
     scheduler = Scheduler(model, max_batch=8)
     blocks = model.pool.num_blocks  # 128
-    share = blocks // 8 * BLOCK_SIZE
+    share = blocks // 8 * KV_BLOCK
     assert scheduler.default_max_tokens(20, 1, 1024) == share - 20
     assert scheduler.default_max_tokens(20, 1, 100) == 100
     assert scheduler.default_max_tokens(share + 10, 1, 1024) == 256  # a floor past the share
     # n choices must fit the pool at once; a prompt that fills the context leaves 1 (a 400).
-    assert scheduler.default_max_tokens(400, 8, 1024) == blocks // 8 * BLOCK_SIZE - 400
+    assert scheduler.default_max_tokens(400, 8, 1024) == blocks // 8 * KV_BLOCK - 400
     assert scheduler.default_max_tokens(model.entry.context_length, 1, 1024) == 1
 
 
@@ -381,10 +380,10 @@ class BatchVariant:
 
 def seen_logits(monkeypatch, seed):
     """Record the logits every sampler of `seed` receives."""
-    import kipp.scheduler
+    import kipp.engine.scheduler
 
     seen = []
-    real = kipp.scheduler.Sampler
+    real = kipp.engine.scheduler.Sampler
 
     class Recording(real):
         def sample(self, logits, recent_tokens=(), allowed=None):
@@ -392,7 +391,7 @@ def seen_logits(monkeypatch, seed):
                 seen.append(np.array(logits, copy=True))
             return super().sample(logits, recent_tokens, allowed)
 
-    monkeypatch.setattr(kipp.scheduler, "Sampler", Recording)
+    monkeypatch.setattr(kipp.engine.scheduler, "Sampler", Recording)
     return seen
 
 

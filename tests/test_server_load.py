@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-
 from test_server import NO_END, TINY, Server, _wait_idle
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
-"""Speculative decoding (kipp.spec): the emitted tokens are exactly plain greedy decoding's.
+"""Speculative decoding (kipp.engine.spec): the emitted tokens are exactly plain greedy decoding's.
 
 The synthetic checkpoints' greedy tokens follow a designed rule of the last three tokens
-(kipp.synthetic.designed_rule), so a "copy" prompt holding a stretch of designed text and
+(kipp.synthetic.writer.designed_rule), so a "copy" prompt holding a stretch of designed text and
 ending with its first three tokens is the case where prompt-lookup drafts are right, a
 "code-like" one holding it in edited pieces makes them partly right, and repetitive text and
 random ids leave them wrong or absent. Injected drafters that are always right or always wrong pin
@@ -13,11 +13,11 @@ import pytest
 
 from kipp import gates
 from kipp.cli import main as cli_main
+from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig, SpeculativeDecoder
+from kipp.formats.registry import IM_END_ID
 from kipp.model import GenerationError, load
-from kipp.registry import IM_END_ID
-from kipp.sampling import sample_greedy
-from kipp.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig, SpeculativeDecoder
-from kipp.synthetic import designed_rule, live_token_ids
+from kipp.synthetic.writer import designed_rule, live_token_ids
+from kipp.text.sampling import sample_greedy
 
 TINY = "kipp-synthetic/qwen3-tiny"
 STEPS = 16
@@ -196,7 +196,7 @@ def test_rollback_into_an_adopted_shared_block(models):
     with model.session() as fresh:
         want = fresh.eval(tokens[:48], logits_rows=8)
     with model.session() as s:
-        adopted = s.match_prefix(tokens)  # two full blocks and the cached tail (kipp.blocks)
+        adopted = s.match_prefix(tokens)  # two full blocks and the cached tail (kipp.engine.blocks)
         s.eval(tokens[adopted:])
         assert adopted == len(tokens) - 1 and s.shared_blocks >= 2
         s.truncate(40)  # inside shared block 1
@@ -270,7 +270,7 @@ def test_sampling_is_refused():
             context_length = 100
 
     from kipp.model import Generation
-    from kipp.sampling import SamplingParams
+    from kipp.text.sampling import SamplingParams
 
     with pytest.raises(GenerationError, match="greedy only"):
         Generation(FakeModel, [1, 2], 4, None, SamplingParams(temperature=0.7), speculative=True)

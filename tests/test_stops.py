@@ -1,4 +1,4 @@
-"""Stop strings (kipp.stops): the same cut and the same hold-back as a naive per-character rule,
+"""Stop strings (kipp.text.stops): the same cut and the same hold-back as a naive per-character rule,
 and per-token work that does not grow with the stop strings' length."""
 
 import time
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kipp.model import GenerationError
 from kipp.model import StopStrings as ModelStopStrings
-from kipp.stops import StopError, StopPatterns, StopStrings
+from kipp.text.stops import StopError, StopPatterns, StopStrings
 
 
 def naive(stops, pieces):

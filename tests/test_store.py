@@ -3,9 +3,9 @@
 import pytest
 
 import kipp
-from kipp import store
 from kipp.cli import main as cli_main
 from kipp.errors import DownloadError
+from kipp.formats import store
 
 TINY = "kipp-synthetic/qwen3-tiny"
 

@@ -1,4 +1,4 @@
-"""Constrained decoding (kipp.grammar) from the sampler up to the Python API and the scheduler.
+"""Constrained decoding (kipp.text.grammar) from the sampler up to the Python API and the scheduler.
 
 The synthetic checkpoints know no language, so only the grammar can make their output parse:
 every output here is checked with `jsonschema` (an independent validator), and one test shows
@@ -16,11 +16,11 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from kipp import grammar as g  # noqa: E402
-from kipp.chat import ToolCallStream, parse_tool_calls  # noqa: E402
+from kipp.engine.scheduler import Request, Scheduler, collect  # noqa: E402
 from kipp.model import GenerationError, load  # noqa: E402
-from kipp.sampling import Sampler, SamplingError, SamplingParams, logprobs  # noqa: E402
-from kipp.scheduler import Request, Scheduler, collect  # noqa: E402
+from kipp.text import grammar as g  # noqa: E402
+from kipp.text.chat import ToolCallStream, parse_tool_calls  # noqa: E402
+from kipp.text.sampling import Sampler, SamplingError, SamplingParams, logprobs  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 
@@ -395,7 +395,7 @@ def test_masks_ahead_only_where_the_backend_leaves_the_host_free(jax_model, monk
 
 
 def test_a_grammar_that_cannot_compile_is_refused_at_submit(jax_model):
-    from kipp.scheduler import SchedulerError
+    from kipp.engine.scheduler import SchedulerError
 
     scheduler = Scheduler(jax_model)
     bad = g.Grammar("lark", '{"grammars": [{"lark_grammar": "start: nope"}]}', "grammar")

@@ -23,10 +23,10 @@ pytest.importorskip("waitress")
 from test_server import Server  # noqa: E402
 from test_structured import SCHEMAS, closed  # noqa: E402
 
-from kipp import grammar as g  # noqa: E402
-from kipp.artifact import open_artifact  # noqa: E402
+from kipp.formats.artifact import open_artifact  # noqa: E402
 from kipp.model import load  # noqa: E402
-from kipp.tokenizer import Tokenizer  # noqa: E402
+from kipp.text import grammar as g  # noqa: E402
+from kipp.text.tokenizer import Tokenizer  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 USER = {"role": "user", "content": "What is the weather in Oslo?"}
@@ -179,7 +179,7 @@ def test_round_trip_renders_as_transformers(server):
     upstream[2]["content"] = ""
     text = hf.apply_chat_template(upstream, tools=TOOLS, tokenize=False,
                                   add_generation_prompt=True)
-    from kipp.chat import render
+    from kipp.text.chat import render
 
     assert render(messages, tools=TOOLS) == text
     raw = client.completions.create(model=TINY, prompt=text, max_tokens=12, temperature=0,
@@ -193,7 +193,7 @@ def _hf_tokenizer(transformers):
     import pathlib
     import tempfile
 
-    from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
+    from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
     folder = pathlib.Path(tempfile.mkdtemp())
     (folder / "tokenizer.json").write_bytes(tokenizer_json_bytes())

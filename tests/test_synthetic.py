@@ -1,4 +1,4 @@
-"""kipp.synthetic: deterministic synthetic checkpoints in the real Qwen3 Hugging Face layout."""
+"""kipp.synthetic.writer: deterministic synthetic checkpoints in the real Qwen3 Hugging Face layout."""
 
 import json
 import os
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kipp import registry, synthetic
-from kipp import synthetic_circuit as circuit
 from kipp.errors import RegistryError
-from kipp.tokenizer_files import tokenizer_json_bytes
+from kipp.formats import registry
+from kipp.synthetic import circuit
+from kipp.synthetic import writer as synthetic
+from kipp.text.tokenizer_files import tokenizer_json_bytes
 
 TINY_IDS = ["kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base",
             "kipp-synthetic/qwen3-tiny-untied"]
@@ -280,7 +281,7 @@ def test_sharded_layout_has_a_correct_index(synthetic_dir):
 
 
 def test_generator_never_imports_torch(tmp_path):
-    code = ("import sys; from kipp.synthetic import synthesize; "
+    code = ("import sys; from kipp.synthetic.writer import synthesize; "
             f"synthesize('kipp-synthetic/qwen3-tiny', {str(tmp_path)!r}); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -412,7 +413,8 @@ def test_the_reference_follows_the_designed_rule(designed_runs):
 def test_each_attention_fault_changes_greedy_output(designed_runs, monkeypatch, name):
     """Planted in the reference backend, each fault changes the greedy tokens of at least 6
     of the 8 fixed prompts (gates.designed_prompts) within 12 tokens."""
-    from kipp import faults, gates
+    import faults
+    from kipp import gates
 
     model, prompts, expected = designed_runs
     faults.get(name).plant(monkeypatch)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kipp.errors import KippError
-from kipp.tokenizer import (
+from kipp.text.tokenizer import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_UNUSED,
@@ -33,7 +33,7 @@ from kipp.tokenizer import (
     TokenizerError,
     load_tokenizer_files,
 )
-from kipp.tokenizer_files import tokenizer_config, tokenizer_json_bytes
+from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
 CORPUS = Path(__file__).parent / "data" / "tokenizer_corpus.jsonl"
 ADDED_IDS = range(151643, 151669)
@@ -153,7 +153,7 @@ def test_streaming_concatenation_equals_decode(tok, corpus):
 
 
 def byte_token_ids(tok) -> list[int]:
-    from kipp.tokenizer import bytes_to_unicode
+    from kipp.text.tokenizer import bytes_to_unicode
 
     table = bytes_to_unicode()
     return [tok.token_to_id(table[b]) for b in range(256)]
@@ -227,7 +227,7 @@ def test_long_word_bpe_paths_agree(tok):
 def toy_spec(rng: random.Random, merges: int) -> dict:
     """tokenizer.json with a random merge table over "abc": pairs repeat, and several merges
     can make the same token, which exercises the heap's stale-entry rule."""
-    from kipp.tokenizer import bytes_to_unicode
+    from kipp.text.tokenizer import bytes_to_unicode
 
     spec = json.loads(tokenizer_json_bytes())
     tokens = list(bytes_to_unicode().values())

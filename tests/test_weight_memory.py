@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kipp import gates, memory
-from kipp.artifact import open_artifact
 from kipp.errors import KippError
+from kipp.formats.artifact import open_artifact
 from kipp.reference.backend import ReferenceBackend
 
 TINY = "kipp-synthetic/qwen3-tiny"
@@ -128,9 +128,9 @@ def test_mlx_planes_twin_is_the_numpy_dequantizer(fmt):
     """The per-kernel fallback on Metal multiplies the kernels' own planes, chunked: equal
     to x @ dequantize(W)^T in float64 within float32 summation noise, whatever the chunk."""
     mx = pytest.importorskip("mlx.core")
-    from kipp import quant
     from kipp.apple import linear
     from kipp.apple import probe as mlx_probe
+    from kipp.formats import quant
 
     w = mlx_probe.probe_weight(fmt, np.random.default_rng(3))  # the same draw as `raw`
     raw = quant.quantize((np.random.default_rng(3).standard_normal((64, 256)) * 0.05)
@@ -329,7 +329,8 @@ def test_jax_twin_matmul_blocks_equal_the_reference(fmt, monkeypatch):
     import jax
 
     from kipp.cuda import probe as jax_probe
-    from kipp.cuda import quant_matmul, twin_matmul
+    from kipp.cuda import twin_matmul
+    from kipp.cuda.pallas import quant_matmul
 
     w = jax_probe.probe_weight(fmt, np.random.default_rng(5))  # [64, 256]
     x = np.random.default_rng(6).standard_normal((5, 256)).astype(np.float32)

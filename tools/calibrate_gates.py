@@ -15,8 +15,6 @@ import argparse
 import math
 import sys
 
-import numpy as np
-
 TINY = ("kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base",
         "kipp-synthetic/qwen3-tiny-untied")
 SCHEMES = ("bf16", "q8_0", "affine4_gs32", "scale4_gs32")
@@ -47,8 +45,8 @@ def measure(model, want) -> dict[str, float]:
 
 def main(argv=None) -> int:
     from kipp import gates
+    from kipp.formats.store import ensure_artifact, source_folder
     from kipp.model import load
-    from kipp.store import ensure_artifact, source_folder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--factor", type=float, default=5.0)

@@ -2,7 +2,7 @@
 
     python tools/design_rope_profiles.py        # needs scipy (dev only); rewrites the JSON
 
-A positional head of kipp.synthetic has a constant query and key direction, so its score
+A positional head of kipp.synthetic.writer has a constant query and key direction, so its score
 against the key `delta` positions away (delta = key position - query position) is a fixed
 trigonometric sum over the 64 RoPE frequency pairs:
 
@@ -12,7 +12,7 @@ Each profile below is the one with the smallest total amplitude sum_i (|A_i| + |
 smallest BF16 rounding noise in the keys) that meets its constraints for every delta from
 -MAX_CONTEXT to +1, found by linear programming (HiGHS through scipy). The two lowest
 frequency pairs are left out: the generator parks the leftover query and key energy there.
-The result is rounded to 1e-4 and the margins re-checked by kipp.synthetic's tests.
+The result is rounded to 1e-4 and the margins re-checked by kipp.synthetic.writer's tests.
 """
 
 from __future__ import annotations

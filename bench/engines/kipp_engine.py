@@ -83,7 +83,7 @@ class KippEngine(Engine):
         does), then time, for the same prompt again: adopting the cached prefix, evaluating
         the rest, sampling (greedy, `ban` biased away, as the server's requests are), and one
         decode step at that context."""
-        from kipp.sampling import Sampler, SamplingParams
+        from kipp.text.sampling import Sampler, SamplingParams
 
         model = self.model
         with model.session(len(prompt) + 2) as first:

@@ -31,9 +31,10 @@ import mlx.core as mx
 
 from kipp.apple import metal
 from kipp.apple.linear import on_stream
+from kipp.backend import KV_BLOCK
 from kipp.errors import KippError
-from kipp.kvquant import ROW_BLOCKS
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
+from kipp.formats.kvquant import ROW_BLOCKS
+from kipp.formats.registry import HEAD_DIM, KV_HEADS
 
 SCALE = HEAD_DIM ** -0.5
 BLOCKS_PER_SPLIT = 16  # 512 positions per split

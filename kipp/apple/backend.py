@@ -17,7 +17,7 @@ own planes for the kernels (and for the twins replacing a failed kernel); for th
 float32 or stored BF16 as `weight_memory` decides (kipp.memory: stored on a GPU; float32 on a
 CPU when it fits the budget), MLX's affine repack for quantized projections. The KV slab is
 allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits the items into rounds
-(kipp.rounds: one piece of each item per round, at most `max_round_tokens` tokens), builds one
+(kipp.engine.rounds: one piece of each item per round, at most `max_round_tokens` tokens), builds one
 lazy MLX graph per round, evaluates the requested logits rows together with the slab, and copies
 the logits to numpy.
 """
@@ -32,12 +32,12 @@ import numpy as np
 
 from kipp import memory, probe
 from kipp.apple import select
-from kipp.artifact import Artifact
-from kipp.backend import Backend, EvalItem
+from kipp.backend import KV_BLOCK, Backend, EvalItem, blocks_needed
+from kipp.engine.rounds import Piece, plan_rounds
 from kipp.errors import KippError
-from kipp.registry import KV_BLOCK, VOCAB_SIZE
+from kipp.formats.artifact import Artifact
+from kipp.formats.registry import VOCAB_SIZE
 from kipp.rope import rope_tables
-from kipp.rounds import Piece, plan_rounds
 
 try:  # kipp.model imports make_backend on any machine; MLX itself may be missing
     import mlx.core as mx
@@ -168,7 +168,7 @@ class MLXBackend(Backend):
             logit_rows=forward.as_int32(rows if rows else [0]),
             decode_only=all(n == 1 for _, n, _ in spans))
         if r.decode_only and self.choice.kernels:
-            blocks = [-(-len(v) // KV_BLOCK) for _, _, v in spans]
+            blocks = [blocks_needed(len(v)) for _, _, v in spans]
             tables = np.zeros((len(pieces), max(blocks)), np.int32)  # 0-padded: never read
             for s, (p, used) in enumerate(zip(pieces, blocks)):
                 tables[s, :used] = items[p.item].block_table[:used]

@@ -23,7 +23,7 @@ import numpy as np
 from kipp.apple import attention, linear
 from kipp.apple.kvcache import KVSlab
 from kipp.apple.linear import Linear
-from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
+from kipp.formats.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
 
 
 def kernel_name(rows: int, fmt: str) -> str:

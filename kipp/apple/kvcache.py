@@ -3,9 +3,9 @@
 Per layer, K and V are each one MLX array over the physical slots (block * 32 + offset):
 - "bf16": bfloat16 [slots, 8, 128], rounded from float32 on store (MLX's cast rounds to nearest
   even, as ml_dtypes and the reference do);
-- "q8_0": kipp.kvquant's two planes, q int8 [slots, 8, 128] and d float16 [slots, 8, 4]:
+- "q8_0": kipp.formats.kvquant's two planes, q int8 [slots, 8, 128] and d float16 [slots, 8, 4]:
   136 bytes per head-row against 256, quantized on store by `quantize_q8_0` (bitwise
-  kipp.kvquant.quantize) and dequantized exactly (d * q) when read.
+  kipp.formats.kvquant.quantize) and dequantized exactly (d * q) when read.
 
 A store is `slab[slots] = rows`: MLX turns it into a scatter that reuses the slab's buffer when
 nothing else holds it (the backend evaluates every slab after each round, so the graph never
@@ -18,9 +18,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kipp.errors import KippError
-from kipp.kvquant import ROW_BLOCKS, SCHEMES
-from kipp.quant import BLOCK
-from kipp.registry import HEAD_DIM, KV_HEADS
+from kipp.formats.kvquant import ROW_BLOCKS, SCHEMES
+from kipp.formats.quant import BLOCK
+from kipp.formats.registry import HEAD_DIM, KV_HEADS
 
 
 class KVSlab:
@@ -79,18 +79,18 @@ def dequantize_q8_0(q: mx.array, d: mx.array) -> mx.array:
 
 def quantize_q8_0(x: mx.array) -> tuple[mx.array, mx.array]:
     """float32 rows [..., 128] -> (q int8 [..., 128], d float16 [..., 4]), bitwise
-    kipp.kvquant.quantize for finite rows whose block scales fit fp16 (|x| < 8.3e6).
+    kipp.formats.kvquant.quantize for finite rows whose block scales fit fp16 (|x| < 8.3e6).
 
     Every decision is exact in float32: fp16(amax / 127) is settled by comparing amax with 127 x
     the neighbouring fp16 midpoints (12 + 7 significant bits, exact), the subnormal bump by
     comparing amax with 127.5 d, and each level by comparing |x| with d (k + 1/2) (11 + 8 bits);
-    so float32 picks the d and q that kipp.quant's float64 arithmetic picks.
+    so float32 picks the d and q that kipp.formats.quant's float64 arithmetic picks.
     """
     blocks = x.reshape(*x.shape[:-1], ROW_BLOCKS, BLOCK)
     mag = mx.abs(blocks)
     amax = mx.max(mag, axis=-1, keepdims=True)  # [..., 4, 1]
     d = _fp16_nearest(amax)
-    d = mx.where(amax > 127.5 * d, _fp16_step(d, 1), d)  # kipp.quant._fp16_scale's bump
+    d = mx.where(amax > 127.5 * d, _fp16_step(d, 1), d)  # kipp.formats.quant._fp16_scale's bump
     flat = d == 0
     step = mx.where(flat, 1.0, d)
     level = mx.clip(mx.round(mag / step), 0, 127)

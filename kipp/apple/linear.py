@@ -45,7 +45,7 @@ Kernels (Metal; the artifact's own bytes, kipp.apple.repack's planes; BF16 stays
   dequantized once per 32-token tile (the seeds' rule for quantized prefill). FP32 accumulate.
   Tokens are padded to a multiple of 32 by the wrapper (zero rows), so every output element
   is written: nothing relies on uninitialised memory.
-Dequantization is kipp.quant's arithmetic (d * q exact; affine4 d * q + m, one rounding).
+Dequantization is kipp.formats.quant's arithmetic (d * q exact; affine4 d * q + m, one rounding).
 The kernels are built once per format (kipp.apple.metal's cache) and specialised by template
 constants (M, N, K), which MLX compiles once per value. Checked off Apple hardware by running
 their exact source on the Metal emulator (tests/test_metal_kernels.py; what that proves and
@@ -63,9 +63,9 @@ import mlx.core as mx
 import numpy as np
 
 from kipp.apple import metal, repack
-from kipp.artifact import Tensor
 from kipp.errors import KippError
-from kipp.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
+from kipp.formats.artifact import Tensor
+from kipp.formats.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
 
 DEQUANTIZE_ROWS = 8  # twin: from this many tokens, dequantize a shard for one BLAS matmul
 CHUNK_ELEMENTS = 1 << 22  # stored twins widen this many weights at a time (16 MiB of float32)
@@ -297,7 +297,7 @@ def _chunked(x: mx.array, wt: mx.array) -> mx.array:
 
 def planes_twin(x: mx.array, w: Linear) -> mx.array:
     """The twin of the matvec and matmul kernels, on their own planes: x [M, K] float32 @ W^T
-    -> [M, N] float32, W's rows dequantized (kipp.quant's arithmetic) CHUNK_ELEMENTS weights at
+    -> [M, N] float32, W's rows dequantized (kipp.formats.quant's arithmetic) CHUNK_ELEMENTS weights at
     a time. A kernel that fails its probe is replaced by this, with no second weight copy."""
     step = max(1, CHUNK_ELEMENTS // w.cols)
     return _in_order(x, [lambda r=r: _plane_rows(w, r, min(r + step, w.rows))
@@ -356,7 +356,7 @@ def on_stream(stream):
 
 HEADER = """
 #include <metal_simdgroup_matrix>
-// Exact widening of the stored 16-bit fields (kipp.quant's decode arithmetic).
+// Exact widening of the stored 16-bit fields (kipp.formats.quant's decode arithmetic).
 inline float kipp_bf16(uint16_t bits) { return as_type<float>(uint(bits) << 16); }
 inline float kipp_fp16(uint16_t bits) { return float(as_type<half>(bits)); }
 """

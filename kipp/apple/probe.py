@@ -3,7 +3,7 @@ on a small input against the twin that would replace it (kipp.probe runs and jud
 
 Variants: the decode matvec and the prefill matmul in the artifact's weight format and in BF16
 (the output head is always BF16), and the decode attention kernel for the KV scheme. Inputs are
-seeded random weights (quantized by kipp.quant, so the kernel reads exactly the format it
+seeded random weights (quantized by kipp.formats.quant, so the kernel reads exactly the format it
 meets in the artifact), activations and KV rows; shapes are small (64 x 256 weights, 3 and 40
 tokens: one partial 32-token tile past a full one; two sequences of 40 and 9 positions over a
 scrambled block table) so all of it costs well under a second on a GPU. The twin is the one
@@ -28,11 +28,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kipp import quant
 from kipp.apple import attention, linear, repack
 from kipp.apple.kvcache import KVSlab
+from kipp.backend import KV_BLOCK
+from kipp.formats import quant
+from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.probe import Probe
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 BOUND = 1e-7
 ROWS, COLS = 64, 256  # probe weight [N, K]: two 32-output tiles, eight 32-weight blocks
@@ -66,7 +67,7 @@ def sources(scheme: str, kv_scheme: str) -> tuple:
 
 
 def probe_weight(fmt: str, rng) -> linear.Linear:
-    """A seeded [ROWS, COLS] weight in `fmt`, as the kernels' planes (kipp.quant's bytes)."""
+    """A seeded [ROWS, COLS] weight in `fmt`, as the kernels' planes (kipp.formats.quant's bytes)."""
     raw = quant.quantize((rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32), fmt)
     if fmt == "bf16":
         return linear.Linear(fmt, ROWS, COLS, planes=(mx.array(raw.view("<u2")),))

@@ -17,9 +17,9 @@ Scales and biases are float32, not fp16 or bf16. The fp16 d and m widen to float
 d > 511 and bf16 would drop 3 of d's 11 significant bits. In float32 MLX's decode is exact:
 d * (q + 128) is an exact product (11 x 9 significant bits) and adding -128 d then gives
 d * q exactly (it is representable, and the sum of two exact values that is representable is
-exact); the same for scale4. affine4 is an exact product and one rounded add, as kipp.quant
-decodes it. So `mx.dequantize` of the repack equals `kipp.quant.dequantize` bit for bit, with
-one exception that is not a difference in value: where scale4's d < 0 and q = 8, kipp.quant's
+exact); the same for scale4. affine4 is an exact product and one rounded add, as kipp.formats.quant
+decodes it. So `mx.dequantize` of the repack equals `kipp.formats.quant.dequantize` bit for bit, with
+one exception that is not a difference in value: where scale4's d < 0 and q = 8, kipp.formats.quant's
 d * (q - 8) is -0.0 while MLX's 8 d + (-8 d) is +0.0 (an IEEE sum of opposites is +0).
 Float32 scales are also what runs fast on the CPU wheel (measured, [3072, 1024] matvec: 3.3 ms
 with float32 scales against 28 ms bf16 and 114 ms fp16).
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kipp.errors import KippError
-from kipp.quant import BLOCK, SCHEMES_BY_GGML_TYPE, WeightScheme
+from kipp.formats.quant import BLOCK, SCHEMES_BY_GGML_TYPE, WeightScheme
 
 QUANTIZED = ("q8_0", "scale4_gs32", "affine4_gs32")
 BITS = {"q8_0": 8, "scale4_gs32": 4, "affine4_gs32": 4}
@@ -126,8 +126,8 @@ def to_planes(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Planes:
 
 
 def dequantize_planes(p: Planes) -> np.ndarray:
-    """float32 [out, in] from kernel planes, with kipp.quant's arithmetic: the numpy statement
-    of what the Metal kernels compute per weight (tests compare it with kipp.quant)."""
+    """float32 [out, in] from kernel planes, with kipp.formats.quant's arithmetic: the numpy statement
+    of what the Metal kernels compute per weight (tests compare it with kipp.formats.quant)."""
     d = p.d.view(np.float16).astype(np.float32)[..., None]  # [out, blocks, 1]
     rows = len(p.q)
     if p.scheme == "q8_0":

@@ -8,12 +8,12 @@
 
 At load the weights are placed once, tensor by tensor, in the layout `weight_memory` picks
 (kipp.memory, kipp.cuda.layout: the stored format on a GPU, float32 on a CPU when it fits the
-budget) and the KV slab is allocated once. `eval` splits the items into rounds (kipp.rounds,
+budget) and the KV slab is allocated once. `eval` splits the items into rounds (kipp.engine.rounds,
 kipp.cuda.rounds), runs one compiled step per round with the slab donated (updated in place),
 and copies back only the requested logits rows. Steps are compiled ahead of time per shape
 bucket and cached; each compile is logged with its time, and `compile_log` keeps (bucket,
 seconds) for benchmarks and tests. `kv_scheme="q8_0"` keeps the slab as Q8_0 head-rows
-(kipp.kvquant: int8 and fp16 planes, 136 bytes per row against BF16's 256), quantized in the
+(kipp.formats.kvquant: int8 and fp16 planes, 136 bytes per row against BF16's 256), quantized in the
 step and dequantized in attention.
 
 Kernels that fail never break a load: each Pallas kernel variant the step uses is first probed
@@ -39,13 +39,14 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from kipp import kvquant, memory, probe
-from kipp.artifact import Artifact
-from kipp.backend import Backend, EvalItem
+from kipp import memory, probe
+from kipp.backend import KV_BLOCK, Backend, EvalItem
 from kipp.cuda import forward, layout, rounds, select
 from kipp.display import step_bar
 from kipp.errors import KippError
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS, VOCAB_SIZE
+from kipp.formats import kvquant
+from kipp.formats.artifact import Artifact
+from kipp.formats.registry import HEAD_DIM, KV_HEADS, VOCAB_SIZE
 from kipp.rope import rope_tables
 
 log = logging.getLogger("kipp.cuda")
@@ -121,7 +122,7 @@ class JaxBackend(Backend):
 
     def _load(self, artifact: Artifact, platform: str) -> None:
         if self.layout == "panels":
-            from kipp.cuda import cpu_matmul
+            from kipp.cuda.cpu import matmul as cpu_matmul
 
             usable, why = cpu_matmul.available()
             if platform != "cpu" or self.mesh is not None or not usable:
@@ -233,7 +234,7 @@ class JaxBackend(Backend):
     def _precompile_decode(self, bucket: rounds.Bucket) -> None:
         """A multi-token round's block width gets its one-token program at once: the first
         decode step at that context, and a cache hit that leaves only a prompt's last token to
-        evaluate (kipp.blocks' tails), then never wait on a compile."""
+        evaluate (kipp.engine.blocks' tails), then never wait on a compile."""
         one = rounds.Bucket(1, 1, 1, bucket.blocks, 1)
         if bucket.tokens > 1 and one not in self._programs:
             self._program(one, rounds.placeholder_arrays(one, self.num_blocks))
@@ -320,12 +321,12 @@ def _weight_layout(artifact: Artifact, weight_memory: str, weight_layout: str | 
 
 
 def _cpu_attention(platform: str, mesh, kernels: bool, kv_scheme: str) -> bool:
-    """Whether the twins' decode rounds run Kipp's CPU attention (kipp.cuda.cpu_attention): on
+    """Whether the twins' decode rounds run Kipp's CPU attention (kipp.cuda.cpu.attention): on
     one CPU device, over a BF16 slab; a warning, once, when it cannot be built or is switched
     off (KIPP_JAX_CPU_ATTENTION=0)."""
     if platform != "cpu" or mesh is not None or kernels or kv_scheme != "bf16":
         return False
-    from kipp.cuda import cpu_attention
+    from kipp.cuda.cpu import attention as cpu_attention
 
     usable, why = cpu_attention.available()
     if not usable:

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kipp.artifact import open_artifact
-from kipp.backend import EvalItem
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
+from kipp.backend import EvalItem, blocks_needed
+from kipp.formats.artifact import open_artifact
+from kipp.formats.registry import HEAD_DIM, KV_HEADS
 
 
 def memory_bandwidth(device=None, megabytes: int = 512) -> float:
@@ -64,7 +64,7 @@ def _timed(fn, repeats: int) -> list[float]:
 
 def bench_prefill(backend, prompt: int, repeats: int = 3) -> dict:
     tokens = tuple(int(t) for t in np.random.default_rng(0).integers(0, 151_643, prompt))
-    table = tuple(range(-(-prompt // KV_BLOCK)))
+    table = tuple(range(blocks_needed(prompt)))
     backend.eval([EvalItem(tokens, 0, table)])  # compiles
     times = _timed(lambda: backend.eval([EvalItem(tokens, 0, table)]), repeats)
     return {"prefill_tokens": prompt, "prefill_tok_s": prompt / statistics.median(times),
@@ -73,7 +73,7 @@ def bench_prefill(backend, prompt: int, repeats: int = 3) -> dict:
 
 def bench_decode(backend, prompt: int, steps: int, batch: int) -> dict:
     """`batch` sequences of `prompt` tokens, then `steps` decode tokens each, batched."""
-    blocks = -(-(prompt + steps + 2) // KV_BLOCK)
+    blocks = blocks_needed(prompt + steps + 2)
     tables = [tuple(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
     rng = np.random.default_rng(1)
     prompts = [tuple(int(t) for t in rng.integers(0, 151_643, prompt)) for _ in range(batch)]
@@ -102,7 +102,7 @@ def run(path, prompt: int, decode: int, batches: list[int], reference: bool, kv_
     from kipp.cuda.backend import JaxBackend
 
     artifact = open_artifact(path)
-    blocks = -(-kv_tokens // KV_BLOCK)
+    blocks = blocks_needed(kv_tokens)
     start = time.perf_counter()
     backend = JaxBackend(artifact, blocks, path=jax_path, weight_layout=weight_layout)
     load = time.perf_counter() - start
@@ -133,7 +133,7 @@ def compare(path, weight_layouts: list[str], prompt: int, decode: int, batches: 
     from kipp.cuda.backend import JaxBackend
 
     artifact = open_artifact(path)
-    backends = {name: JaxBackend(artifact, -(-kv_tokens // KV_BLOCK), weight_layout=name)
+    backends = {name: JaxBackend(artifact, blocks_needed(kv_tokens), weight_layout=name)
                 for name in weight_layouts}
     got = {(name, what): [] for name in backends for what in ["prefill"] + batches}
     for r in range(rounds + 1):
@@ -166,9 +166,9 @@ def compare(path, weight_layouts: list[str], prompt: int, decode: int, batches: 
 
 
 def _reference_row(artifact, base: dict, prompt: int, decode: int) -> dict:
-    from kipp.backends import open_backend  # through the core: backends never import each other
+    from kipp.chooser import open_backend  # through the core: backends never import each other
 
-    ref = open_backend("reference", artifact, -(-(prompt + decode + 2) // KV_BLOCK))
+    ref = open_backend("reference", artifact, blocks_needed(prompt + decode + 2))
     result = dict(base, backend=ref.describe(), compile_s=[])
     result.update(bench_prefill(ref, prompt, repeats=1))
     result.update(bench_decode(ref, prompt, decode, 1))
@@ -193,7 +193,7 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
     """Weights/s of the CPU's projection paths per weight layout (the layout.py and
     cpu_matmul.py measurement): XLA's dots on float32, BF16 and packed planes, and Kipp's CPU
     matmul on float32 panels; every layout's calls interleaved per repeat, medians."""
-    from kipp.cuda import cpu_matmul
+    from kipp.cuda.cpu import matmul as cpu_matmul
     from kipp.cuda.forward import Ops
     from kipp.cuda.layout import Linear
 

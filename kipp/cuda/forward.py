@@ -8,11 +8,11 @@ final RMSNorm and the output head for the requested rows only.
 
 `Ops` decides how projections and attention run: Pallas kernels (GPU, or interpret mode in
 tests) or their jax.numpy twins; on XLA's CPU, projections stored as float32 panels ("f32p")
-run Kipp's CPU matmul (kipp.cuda.cpu_matmul) whatever the path, and with `cpu_attention` the
-twins' decode rounds over a BF16 slab run Kipp's CPU attention (kipp.cuda.cpu_attention). The
+run Kipp's CPU matmul (kipp.cuda.cpu.matmul) whatever the path, and with `cpu_attention` the
+twins' decode rounds over a BF16 slab run Kipp's CPU attention (kipp.cuda.cpu.attention). The
 KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as
 uint16 bits on XLA's CPU, whose BF16 scatter widens the whole buffer to float32 and back), or
-with the q8_0 KV scheme a `layout.QuantizedKV` pair of planes (kipp.kvquant's format), donated
+with the q8_0 KV scheme a `layout.QuantizedKV` pair of planes (kipp.formats.kvquant's format), donated
 to the step so XLA updates it in place. When the parameters' "layers" are stacked (a dict of
 `[layers, ...]` arrays: the CPU twins' stored and panel layouts, kipp.cuda.layout) the slab is
 one stacked (K, V) pair `[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one
@@ -26,14 +26,15 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from kipp.cuda import cpu_attention, cpu_matmul
-from kipp.cuda import decode_attention as decode_mod
-from kipp.cuda import prefill_attention as prefill_mod
-from kipp.cuda import quant_matmul as matmul_mod
 from kipp.cuda import twin_matmul
+from kipp.cuda.cpu import attention as cpu_attention
+from kipp.cuda.cpu import matmul as cpu_matmul
 from kipp.cuda.layout import Linear, QuantizedKV, store_kv, widen_bf16
+from kipp.cuda.pallas import decode_attention as decode_mod
+from kipp.cuda.pallas import prefill_attention as prefill_mod
+from kipp.cuda.pallas import quant_matmul as matmul_mod
 from kipp.cuda.rounds import RoundArrays
-from kipp.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
+from kipp.formats.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _embed(table, tokens: jax.Array) -> jax.Array:
 
 def _head(params) -> Linear:
     head = params["head"] if params["head"] is not None else params["embed"]
-    if isinstance(head, Linear):  # the panels layout (kipp.cuda.cpu_matmul)
+    if isinstance(head, Linear):  # the panels layout (kipp.cuda.cpu.matmul)
         return head
     fmt = "f32" if head.dtype == jnp.float32 else "bf16"  # BF16, or its bits (uint16)
     return Linear(head, fmt=fmt)

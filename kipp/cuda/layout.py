@@ -59,10 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kipp.artifact import Artifact, Tensor
-from kipp.kvquant import ROW_BLOCKS
-from kipp.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
-from kipp.registry import KV_BLOCK
+from kipp.backend import KV_BLOCK
+from kipp.formats.artifact import Artifact, Tensor
+from kipp.formats.kvquant import ROW_BLOCKS
+from kipp.formats.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 NORMS = ("attn_norm", "q_norm", "k_norm", "ffn_norm")
@@ -75,7 +75,7 @@ class Linear:
 
     fmt "f32" / "bf16": w [out, in]. fmt "q8_0": w int8 [out, in/32, 32], d fp16 [out, in/32].
     fmt "scale4_gs32": w uint8 [out, in/32, 16] nibbles, d. fmt "affine4_gs32": w, d, m.
-    fmt "f32p": w float32 panels [out/8, in, 8] (kipp.cuda.cpu_matmul).
+    fmt "f32p": w float32 panels [out/8, in, 8] (kipp.cuda.cpu.matmul).
     """
 
     w: Any
@@ -106,7 +106,7 @@ def float32_layout(platform: str, sharded: bool = False, kernels: bool = False) 
     docstring). Pallas kernels (interpret mode on a CPU) read plain float32."""
     if platform != "cpu" or sharded or kernels:
         return "f32"
-    from kipp.cuda import cpu_matmul
+    from kipp.cuda.cpu import matmul as cpu_matmul
 
     usable, why = cpu_matmul.available()
     if not usable:
@@ -171,14 +171,14 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
     fresh 64-byte aligned host stack and released, and `place` gets the whole stack once (on a
     CPU `to_device` places it without a copy: the stack is the placed array).
 
-    "panels" (kipp.cuda.cpu_matmul): every projection and the output head as
+    "panels" (kipp.cuda.cpu.matmul): every projection and the output head as
     Linear(pack(float32), fmt="f32p"); a tied checkpoint's embedding is the head's Linear itself
     (looked up by cpu_matmul.rows), an untied one's stays a float32 [vocab, hidden]."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     w = artifact.weights
     if layout == "panels":
-        from kipp.cuda import cpu_matmul
+        from kipp.cuda.cpu import matmul as cpu_matmul
 
         def projection(t):
             return Linear(cpu_matmul.pack(t.f32()), fmt="f32p")
@@ -294,7 +294,7 @@ def round_bf16(x: jax.Array, dtype) -> jax.Array:
 
 
 class QuantizedKV(NamedTuple):
-    """One layer's K (or V) slab in the q8_0 KV scheme (kipp.kvquant), as two planes.
+    """One layer's K (or V) slab in the q8_0 KV scheme (kipp.formats.kvquant), as two planes.
 
     q: int8 [blocks, 32, 8, 128]; d: fp16 scales [blocks, 32, 8, 4] (uint16 bits on XLA's CPU,
     as for BF16). A BF16 slab is a plain array; code that handles both asks `isinstance`.
@@ -367,7 +367,7 @@ def store_kv(cache, new: jax.Array, slots: jax.Array, layer=None):
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """float32 rows [..., 128] -> (q int8 [..., 128], d [..., 4] float32 holding fp16 values),
-    bitwise kipp.kvquant.quantize (that is, kipp.quant's q8_0 encoder) for finite input whose
+    bitwise kipp.formats.kvquant.quantize (that is, kipp.formats.quant's q8_0 encoder) for finite input whose
     block scales fit fp16 (|x| < 8.3e6; the numpy oracle raises beyond that).
 
     Every step is exact in float32: the fp16 rounding of amax / 127 is settled by comparing amax

@@ -6,7 +6,7 @@ Variants: quant_matmul's two bodies, "matvec/<fmt>" (a few rows: multiply-reduce
 "matmul/<fmt>" (tile dot), for each weight format the step feeds it (the projections' format
 in the backend's layout, and the head's BF16, except in interpret mode where the head runs its
 twin); "decode_attention/<kv>" and "prefill_attention/<kv>" for the KV scheme. Inputs are
-seeded random weights in the layout's own format (quantized by kipp.quant, packed by
+seeded random weights in the layout's own format (quantized by kipp.formats.quant, packed by
 kipp.cuda.layout), activations, and a 4-block slab over scrambled block tables (two sequences
 of 40 and 9 positions; the prefill probe has padding queries, which are left out of the
 comparison). Each kernel runs through the same entry point the step calls, on the backend's
@@ -25,15 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kipp import quant
-from kipp.artifact import Tensor
-from kipp.cuda import decode_attention as decode_mod
-from kipp.cuda import layout
-from kipp.cuda import prefill_attention as prefill_mod
-from kipp.cuda import quant_matmul as matmul_mod
-from kipp.cuda import twin_matmul
+from kipp.backend import KV_BLOCK
+from kipp.cuda import layout, twin_matmul
+from kipp.cuda.pallas import decode_attention as decode_mod
+from kipp.cuda.pallas import prefill_attention as prefill_mod
+from kipp.cuda.pallas import quant_matmul as matmul_mod
+from kipp.formats import quant
+from kipp.formats.artifact import Tensor
+from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.probe import Probe
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 EXACT_BOUND = 1e-7
 TILE_BOUND = 1e-5  # tile dots that may round an operand to BF16

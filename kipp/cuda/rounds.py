@@ -1,6 +1,6 @@
 """The one place JaxBackend turns eval items into device arrays: buckets and padding.
 
-Rounds are planned by the core (kipp.rounds.plan_rounds: one piece of each item per round, at
+Rounds are planned by the core (kipp.engine.rounds.plan_rounds: one piece of each item per round, at
 most `max_tokens` tokens), so one compiled step reads the weights once for every sequence in it.
 
 Every array dimension is padded to a power-of-two bucket (tokens, sequences, queries per
@@ -16,9 +16,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from kipp.backend import EvalItem
-from kipp.registry import KV_BLOCK
-from kipp.rounds import Piece, plan_rounds  # noqa: F401  (the core's planner, re-exported)
+from kipp.backend import KV_BLOCK, EvalItem, blocks_needed
+from kipp.engine.rounds import Piece, plan_rounds  # noqa: F401  (the core's planner, re-exported)
 
 
 @dataclass(frozen=True, order=True)
@@ -65,7 +64,7 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
         for t in range(max(p.start, first_row), p.stop):
             dests.append((p.item, t - first_row))
     longest = max(p.stop - p.start for p in pieces)
-    blocks = max(-(-(items[p.item].start_position + p.stop) // KV_BLOCK) for p in pieces)
+    blocks = max(blocks_needed(items[p.item].start_position + p.stop) for p in pieces)
     bucket = Bucket(bucket_size(n_tokens), bucket_size(len(pieces)), bucket_size(longest),
                     bucket_size(blocks), bucket_size(max(1, len(dests))))
     a = _empty_arrays(bucket, num_blocks)
@@ -74,7 +73,7 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
         item = items[p.item]
         n = p.stop - p.start
         positions = np.arange(item.start_position + p.start, item.start_position + p.stop)
-        table = np.asarray(item.block_table[: -(-(item.start_position + p.stop) // KV_BLOCK)])
+        table = np.asarray(item.block_table[: blocks_needed(item.start_position + p.stop)])
         a.tokens[row:row + n] = item.tokens[p.start:p.stop]
         a.positions[row:row + n] = positions
         a.slots[row:row + n] = table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK

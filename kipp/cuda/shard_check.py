@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from kipp import gates
-from kipp.artifact import open_artifact
 from kipp.backend import EvalItem
 from kipp.cuda.backend import JaxBackend
 from kipp.cuda.sharding import make_mesh
+from kipp.formats.artifact import open_artifact
 
 
 def compare_with_single_device(artifact_path, devices: int = 2, weight_layout: str = "auto",

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kipp.cuda.layout import Linear, widen_bf16
-from kipp.cuda.quant_matmul import HIGHEST, dequantize_reference
+from kipp.cuda.pallas.quant_matmul import HIGHEST, dequantize_reference
 
 CHUNK_ELEMENTS = 1 << 22  # widened weights per block: 16 MiB of float32
 

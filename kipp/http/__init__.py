@@ -40,8 +40,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
     prompt-lookup speculation (same tokens, fewer evals)."""
     import waitress
 
+    from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
     from kipp.http.app import DEFAULT_CHAT_MAX_TOKENS
-    from kipp.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 
     scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue,
                           prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK,

@@ -7,7 +7,7 @@ they read, for prompts and for the text of logprob tokens. A client that goes aw
 own request, streamed or not: a waiting handler polls waitress's `client_disconnected` (the
 server runs with a request lookahead so that it sees the connection close), and for a stream the
 WSGI server also closes the response iterator, whose `finally` cancels the tickets. When a chat request
-offers tools, each choice's text goes through kipp.chat.ToolCallStream: content deltas as they
+offers tools, each choice's text goes through kipp.text.chat.ToolCallStream: content deltas as they
 come, a `delta.tool_calls` chunk per call once its <tool_call> block closes.
 """
 
@@ -23,11 +23,20 @@ import uuid
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
-from kipp.chat import ToolCallStream, parse_tool_calls
+from kipp.engine.scheduler import (
+    SHUTDOWN_MESSAGE,
+    Delta,
+    Done,
+    Failed,
+    Finished,
+    QueueFull,
+    SchedulerError,
+    ShuttingDown,
+    Ticket,
+)
 from kipp.http.metrics import Metrics
 from kipp.http.schema import APIError, Call, parse_chat, parse_completion
-from kipp.scheduler import (SHUTDOWN_MESSAGE, Delta, Done, Failed, Finished, QueueFull,
-                            SchedulerError, ShuttingDown, Ticket)
+from kipp.text.chat import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("kipp.http")
 
@@ -146,7 +155,7 @@ def create_app(model, scheduler, *, model_name: str | None = None,
 def _chat_template(model):
     """The model's chat template name, an APIError to answer chat requests with when Kipp
     cannot render its template, or "qwen3" for base checkpoints (parse_chat refuses them)."""
-    from kipp.chat import ChatError
+    from kipp.text.chat import ChatError
 
     if not model.entry.has_chat_template:
         return "qwen3"

@@ -3,7 +3,7 @@
 Every field a body may carry is listed here, per endpoint. A field that is not listed, or that
 asks for something Kipp does not do (suffix, best_of != n), is a 400 naming it: never a silent
 ignore. `response_format` (both endpoints) and `tools` / `tool_choice` / `parallel_tool_calls`
-(chat) become a kipp.grammar constraint on the request; a schema or tool that cannot be enforced
+(chat) become a kipp.text.grammar constraint on the request; a schema or tool that cannot be enforced
 is a 400 naming the field.
 
 Ranges follow OpenAI's (temperature 0..2, penalties -2..2, logit_bias -100..100, n <= 8, legacy
@@ -22,12 +22,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kipp.sampling import VOCAB_SIZE, SamplingError, SamplingParams
-from kipp.scheduler import MAX_CHOICES, Request
+from kipp.engine.scheduler import MAX_CHOICES, Request
+from kipp.text.sampling import VOCAB_SIZE, SamplingError, SamplingParams
 
 MAX_STOP_STRINGS = 4
 # The longest stop string accepted. Matching costs the same per token whatever the length
-# (kipp.stops), but compiling one is linear in it and its table is held per request.
+# (kipp.text.stops), but compiling one is linear in it and its table is held per request.
 MAX_STOP_CHARS = 131_072
 MAX_LEGACY_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
@@ -314,7 +314,7 @@ def parse_completion(body: Any, served: str, tokenizer) -> Call:
 
 
 def _response_format(body: dict):
-    from kipp.grammar import GrammarError, response_format_grammar
+    from kipp.text.grammar import GrammarError, response_format_grammar
 
     try:
         return response_format_grammar(body.get("response_format"))
@@ -324,7 +324,7 @@ def _response_format(body: dict):
 
 def _tools(body: dict):
     """(grammar or None, whether to parse tool calls, the tools to render) for a chat body."""
-    from kipp.grammar import GrammarError, function_tools, tool_choice_grammar
+    from kipp.text.grammar import GrammarError, function_tools, tool_choice_grammar
 
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = _boolean(body, "parallel_tool_calls", True)
@@ -352,7 +352,7 @@ def _chat_constraint(body: dict):
 
 def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_length: int,
                default_max_tokens, template: str = "qwen3") -> Call:
-    from kipp.chat import ChatError, close_reasoning, render
+    from kipp.text.chat import ChatError, close_reasoning, render
 
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")

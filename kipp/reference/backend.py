@@ -6,7 +6,7 @@ residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the f
 the output head (the embedding when tied) give 151,936 FP32 logits.
 
 K and V are rounded to BF16 when stored, exactly as the KV storage contract says (or, with
-kv_scheme="q8_0", quantized to Q8_0 head-rows by kipp.kvquant and dequantized on read), and
+kv_scheme="q8_0", quantized to Q8_0 head-rows by kipp.formats.kvquant and dequantized on read), and
 attention always reads them back from the slab, for prompt and decode tokens alike, so a
 token's logits do not depend on whether its prefix was evaluated in this call, an earlier one,
 or another sequence whose blocks it adopted. Items of a batch share each weight chunk's
@@ -21,12 +21,12 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
-from kipp import kvquant
-from kipp.artifact import Artifact, LayerWeights
-from kipp.backend import Backend, EvalItem
+from kipp.backend import KV_BLOCK, Backend, EvalItem
 from kipp.errors import KippError
+from kipp.formats import kvquant
+from kipp.formats.artifact import Artifact, LayerWeights
+from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.reference import ops
-from kipp.registry import HEAD_DIM, KV_BLOCK, KV_HEADS
 
 
 class ReferenceBackend(Backend):
@@ -37,7 +37,7 @@ class ReferenceBackend(Backend):
 
     def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
                  kv_scheme: str = "bf16"):
-        """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.kvquant). `kv_dtype` float32
+        """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.formats.kvquant). `kv_dtype` float32
         is a diagnostic only: with K/V unrounded the reference should match an FP32 oracle to
         rounding noise, which shows the BF16 KV is the only gap."""
         entry = artifact.entry
@@ -173,7 +173,7 @@ def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
 
 def make_backend(artifact: Artifact, num_blocks: int, *, weight_memory: str = "auto",
                  fallback: bool | None = None, **options) -> ReferenceBackend:
-    """The constructor kipp.backends uses. The reference reads the mapped artifact in place
+    """The constructor kipp.chooser uses. The reference reads the mapped artifact in place
     (weight_memory is always "stored") and runs no kernels (nothing to fall back from)."""
     from kipp.memory import check_weight_memory
 

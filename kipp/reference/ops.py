@@ -15,9 +15,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kipp.artifact import Tensor
-from kipp.quant import GGML_BF16, GGML_F32
-from kipp.registry import HEAD_DIM, RMS_NORM_EPS
+from kipp.formats.artifact import Tensor
+from kipp.formats.quant import GGML_BF16, GGML_F32
+from kipp.formats.registry import HEAD_DIM, RMS_NORM_EPS
 from kipp.rope import rope_tables  # noqa: F401  (step (4) calls ops.rope_tables)
 
 _CHUNK_FLOATS = 1 << 20  # weight elements converted at once: ~4 MiB of float32

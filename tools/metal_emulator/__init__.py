@@ -8,9 +8,9 @@ mx.fast.metal_kernel call, compiled as C++ against a Metal shim and run on the C
 What a run proves and what it cannot: README.md beside this file.
 """
 
-from metal_emulator.toolchain import build, cache_dir, check_strict, compiler
 from metal_emulator.errors import CompileError, CompilerMissing, EmulatorError, KernelFault
 from metal_emulator.runner import Emulator, launch
+from metal_emulator.toolchain import build, cache_dir, check_strict, compiler
 
 __all__ = ["Emulator", "build", "cache_dir", "check_strict", "compiler", "launch",
            "CompileError", "CompilerMissing", "EmulatorError", "KernelFault"]

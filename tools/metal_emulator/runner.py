@@ -140,7 +140,6 @@ class EmulatedKernel:
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=None, init_value=None, verbose=False, stream=None):
-        import mlx.core as mx
 
         arrays = [_to_numpy(a) for a in inputs]
         call = dict(template=list(template or []), grid=tuple(grid),

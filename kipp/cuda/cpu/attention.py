@@ -1,0 +1,48 @@
+"""Decode attention on XLA's CPU through Kipp's own kernel: one query per sequence, read straight
+from the paged BF16 slab.
+
+Why: the jax.numpy twin (kipp.cuda.pallas.prefill_attention.paged_attention_reference) gathers every
+sequence's rows, widens them and runs two tiny batched dots, and on XLA's CPU that is what made a
+batched decode step grow with context (bench/README.md, batch scaling). The kernel
+(kipp/cuda/cpu/attention.cc, an XLA FFI handler built into the library kipp.cuda.cpu.matmul
+builds) takes one sequence and one KV head per unit of work: it reads each K and V row once
+from the slab through the block table, for all the query heads that share it.
+
+Used by the JAX backend's twins on one CPU device for decode rounds (one query per sequence)
+over a BF16 slab; q8_0 KV, prefill and every other device keep the jax.numpy twin. Numerics are
+float32 like the twin's, summed in another order: tests/test_cpu_attention.py gates kernel and
+twin against numpy in float64. When the library cannot be built, `available()` says why and the
+twin runs. KIPP_JAX_CPU_ATTENTION=0 turns the kernel off (A/B).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kipp.cuda.cpu import matmul as cpu_matmul
+
+TARGET = "kipp_cpu_decode_attention"
+ENV = "KIPP_JAX_CPU_ATTENTION"
+
+
+def available() -> tuple[bool, str]:
+    """(True, how it was built) once the kernel is registered with XLA, else (False, why)."""
+    return cpu_matmul.library(ENV)
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     query_pos: jax.Array, block_tables: jax.Array, layer=None) -> jax.Array:
+    """One query per sequence: q [S, H, 128] float32 at position query_pos [S] (-1 for a
+    padding row: zeros) over positions 0..query_pos of its sequence, read through
+    block_tables [S, B] from the slab's K and V, uint16 BF16 bits [blocks, 32, 8, 128] (or
+    stacked [layers, blocks, 32, 8, 128], read at `layer`) -> [S, H, 128] float32."""
+    ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
+    if not ok:
+        raise RuntimeError(f"Kipp's CPU attention is unavailable: {why}")
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+    i32 = jnp.int32
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1),
+        query_pos.astype(i32), block_tables.astype(i32))

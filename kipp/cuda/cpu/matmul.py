@@ -1,0 +1,180 @@
+"""y = x @ W^T on XLA's CPU through Kipp's own kernel: float32 weights packed in 8-column panels,
+read once per round for every row in it.
+
+Why: XLA's CPU dots (YNNPACK, or Eigen) repack the weight matrix on every call once a dot has
+more than one row, so a batched decode step or a short prefill chunk paid 2-3.5x a one-row step
+for the same weight read. Measured with the issue-21 microbenchmark on this 2-core box (4 layers
+of the 0.6B shape's seven projections, median wall time, 2 threads, under load):
+
+    rows              1      8      16     128
+    XLA dot           1.0    2.4x   3.7x   15x     (relative to its own one-row time)
+    this kernel       0.82   1.5x   2.5x   16x     (first column: its one-row time / XLA's)
+
+Layout (`pack`): W [N, K] -> panels [N/8, K, 8]: panel p holds output columns 8p..8p+7, one
+8-float vector per k, so the kernel streams memory front to back. The embedding shares the tied
+head's panels: row v is `panels[v // 8, :, v % 8]`.
+
+Kernel: kipp/cuda/cpu/matmul.cc (an XLA FFI handler; the tiling and why is in its header). It is
+compiled at first use with the system's C++ compiler (`$CXX`, else c++ / g++ / clang++) against
+the JAX headers, for this CPU (-march=native), into $KIPP_HOME/build, keyed by source, compiler,
+JAX version and CPU; then registered as an FFI target. The same library holds Kipp's CPU decode
+attention (kipp/cuda/cpu/attention.cc, wrapped by kipp.cuda.cpu.attention), and both sources
+share kipp/cuda/cpu/kernels.h: this module builds and loads it for both. Each output is one FMA
+chain over k, so a row's result is bitwise the same alone or in a batch. When no compiler is
+found or the build fails, `available()` says why, and JaxBackend keeps the plain float32 layout
+and XLA's dot (it logs the reason and says so in describe()). KIPP_JAX_CPU_MATMUL=0 turns the
+kernel off (A/B).
+
+Twin: `matmul_reference`, x @ unpack(panels)^T with jnp.dot; tests compare kernel, twin and numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("kipp.cuda")
+
+PANEL = 8  # output columns per panel (one 8-float vector)
+TARGET = "kipp_cpu_matmul_f32"
+HERE = Path(__file__).parent
+SOURCES = (HERE / "matmul.cc", HERE / "attention.cc")  # one library: Kipp's CPU kernels
+HEADERS = (HERE / "kernels.h",)
+# FFI target -> the handler symbol the library exports
+TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention"}
+ENV = "KIPP_JAX_CPU_MATMUL"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
+COMPILERS = ("c++", "g++", "clang++")
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """W [N, K] -> panels [N/8, K, 8] (float32, contiguous)."""
+    n, k = w.shape
+    if n % PANEL:
+        raise ValueError(f"{n} output rows are not a multiple of {PANEL}")
+    return np.ascontiguousarray(np.asarray(w, np.float32).reshape(n // PANEL, PANEL, k)
+                                .transpose(0, 2, 1))
+
+
+def unpack(panels):
+    """panels [N/8, K, 8] -> W [N, K] (numpy or jax arrays)."""
+    p, k, _ = panels.shape
+    return panels.transpose(0, 2, 1).reshape(p * PANEL, k)
+
+
+def rows(panels: jax.Array, index: jax.Array) -> jax.Array:
+    """Rows `index` of the packed W, [len(index), K]: the embedding lookup of a tied table."""
+    return panels[index // PANEL, :, index % PANEL]
+
+
+def matmul(x: jax.Array, panels: jax.Array, layer=None) -> jax.Array:
+    """x [M, K] float32 @ W^T -> [M, N] float32 with W packed as panels [N/8, K, 8], or stacked
+    over layers [L, N/8, K, 8] and read at `layer` (the kernel indexes the stack: no copy)."""
+    ok, why = library()  # built and registered (the switch is the backend's choice)
+    if not ok:
+        raise RuntimeError(f"Kipp's CPU matmul is unavailable: {why}")
+    if layer is None:
+        panels, layer = panels[None], 0
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[1] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), panels,
+                                         jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+def matmul_reference(x: jax.Array, panels: jax.Array) -> jax.Array:
+    """The jax.numpy twin: x @ unpack(panels)^T."""
+    return jnp.dot(x, unpack(panels).T, precision=jax.lax.Precision.HIGHEST)
+
+
+def available() -> tuple[bool, str]:
+    """(True, how it was built) once the kernel is registered with XLA, else (False, why)."""
+    return library(ENV)
+
+
+def library(switch_env: str | None = None) -> tuple[bool, str]:
+    """(True, how it was built) once Kipp's CPU kernel library is built and every target in it
+    registered with XLA, else (False, why); `switch_env` set to 0/off/false turns its kernel
+    off."""
+    switch = os.environ.get(switch_env, "") if switch_env else ""
+    if switch in ("0", "off", "false"):
+        return False, f"{switch_env}={switch} turns it off"
+    return _load()
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[bool, str]:
+    try:
+        path = build()
+        library = ctypes.CDLL(str(path))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        return False, str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    _LIBRARIES.append(library)  # keep the handlers' code mapped for the life of the process
+    return True, f"built at {path}"
+
+
+_LIBRARIES: list = []
+
+
+def build(directory: Path | None = None) -> Path:
+    """The kernels' shared library for this CPU, compiled once into `directory` (default
+    $KIPP_HOME/build); raises RuntimeError naming what is missing or the compiler's error."""
+    from kipp.formats import store
+
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout.splitlines()[:1]
+    key = hashlib.sha256(b"\0".join(s.encode() for s in [
+        *(f.read_text() for f in SOURCES + HEADERS), compiler, *version, *FLAGS,
+        jax.__version__, _cpu_id()]))
+    directory = Path(directory or store.home() / "build")
+    path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        out = Path(scratch) / path.name
+        command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), "-I", str(HERE),
+                   *map(str, SOURCES), "-o", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(out, path)  # atomic: a concurrent build of the same key is harmless
+    log.info("built Kipp's CPU kernels: %s", path)
+    return path
+
+
+def _compiler() -> str:
+    for name in ([os.environ["CXX"]] if os.environ.get("CXX") else []) + list(COMPILERS):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++); install one "
+                       "(Debian: build-essential) for Kipp's CPU matmul")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                flags += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"

@@ -1,0 +1,170 @@
+"""Convert a BF16 Hugging Face checkpoint folder into one Kipp GGUF artifact.
+
+Tensors are read through safetensors' memory-mapped slices a block of rows at a time and streamed
+into the file, so the converter never holds more than one chunk of the model in memory. Only the
+seven per-layer projections are quantized; embedding and lm_head stay BF16 and norms become F32
+(both exact). The file appears under its final name only once complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm  # a widget in Jupyter, a text bar on stderr elsewhere
+
+from kipp.errors import ConvertError, QuantError
+from kipp.formats import gguf, registry
+from kipp.formats.artifact import (
+    TensorSpec,
+    expected_metadata,
+    expected_tensors,
+    tokenizer_metadata,
+)
+from kipp.formats.quant import WeightScheme, quantize
+from kipp.formats.quant import scheme as get_scheme
+
+_CHUNK_BYTES = 64 << 20  # float32 bytes of source rows converted at once
+
+
+class _Source:
+    """The tensors of a Hugging Face checkpoint folder, single-file or sharded."""
+
+    def __init__(self, folder: Path, stack: contextlib.ExitStack):
+        self.folder = folder
+        files = self._files()
+        self.handles = {}
+        for file in sorted(set(files.values())):
+            path = folder / file
+            if not path.is_file():
+                raise ConvertError(f"{folder}: weights file {file} is missing")
+            handle = stack.enter_context(safe_open(str(path), framework="np"))
+            for name in handle.keys():
+                if name in self.handles:
+                    raise ConvertError(f"{folder}: tensor {name} appears in two files")
+                self.handles[name] = handle
+
+    def _files(self) -> dict[str, str]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: file for name, file in weight_map.items()}
+        if (self.folder / "model.safetensors").is_file():
+            return {"*": "model.safetensors"}
+        raise ConvertError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
+
+    def check(self, spec: TensorSpec) -> None:
+        if spec.source not in self.handles:
+            raise ConvertError(f"{self.folder}: tensor {spec.source} is missing")
+        piece = self.handles[spec.source].get_slice(spec.source)
+        shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+        if shape != spec.shape or dtype != "BF16":
+            raise ConvertError(f"{self.folder}: tensor {spec.source} is {dtype}{list(shape)}, "
+                               f"expected BF16{list(spec.shape)}")
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self.handles[name].get_slice(name)[start:stop]
+
+
+def convert(checkpoint_id: str, source, scheme_name: str, out, progress: bool = True) -> Path:
+    """Write the `scheme_name` artifact of `checkpoint_id` from the HF folder `source` to `out`."""
+    entry = registry.get(checkpoint_id)
+    scheme = get_scheme(scheme_name)
+    source, out = Path(source), Path(out)
+    _check_config(entry, source)
+    specs = expected_tensors(entry, scheme)
+    writer = gguf.Writer(out)
+    for field in expected_metadata(entry, scheme) + tokenizer_metadata(_tokenizer(entry, source)):
+        writer.add(*field)
+    for spec in specs:
+        writer.add_tensor(spec.name, spec.shape, spec.ggml_type)
+    with contextlib.ExitStack() as stack:
+        src = _Source(source, stack)
+        _check_tensor_set(entry, src, specs)
+        total = sum(info.nbytes for info in writer.tensors)
+        bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                                       desc=f"{entry.id} {scheme.name}"))
+        with writer:
+            for spec in specs:
+                for chunk in _converted_chunks(src, spec, scheme):
+                    writer.write_data(spec.name, chunk)
+                    bar.update(chunk.nbytes)
+    return out
+
+
+def _check_config(entry: registry.Checkpoint, source: Path) -> None:
+    config_path = source / "config.json"
+    if not config_path.is_file():
+        raise ConvertError(f"{source}: config.json is missing; is this a Hugging Face folder?")
+    mismatches = registry.config_mismatches(entry, json.loads(config_path.read_text()))
+    if mismatches:
+        detail = "; ".join(f"{k}: expected {e!r}, found {f!r}" for k, e, f in mismatches)
+        raise ConvertError(f"{source}/config.json does not match registry entry {entry.id}: "
+                           f"{detail}")
+
+
+def _tokenizer(entry: registry.Checkpoint, source: Path):
+    from kipp.text.tokenizer import load_tokenizer_files
+
+    paths = [source / "tokenizer.json", source / "tokenizer_config.json"]
+    for path in paths:
+        if not path.is_file():
+            raise ConvertError(f"{source}: {path.name} is missing")
+    data = load_tokenizer_files(*paths)
+    if data.eos_token_id != entry.eos_token_id:
+        raise ConvertError(f"{source}/tokenizer_config.json: eos token {data.eos_token_id} is not "
+                           f"{entry.eos_token_id}, the {entry.variant} eos of {entry.id}")
+    if (data.chat_template is not None) != entry.has_chat_template:
+        state = "has" if data.chat_template is not None else "lacks"
+        raise ConvertError(f"{source}/tokenizer_config.json {state} a chat template, but "
+                           f"{entry.id} is a {entry.variant} checkpoint")
+    return data
+
+
+def _check_tensor_set(entry: registry.Checkpoint, src: _Source, specs: list[TensorSpec]) -> None:
+    for spec in specs:
+        src.check(spec)
+    expected = {spec.source for spec in specs}
+    for name in src.handles:
+        if name in expected:
+            continue
+        if name == "lm_head.weight" and entry.tied:
+            _check_tied_head(src)
+            continue
+        raise ConvertError(f"{src.folder}: unexpected tensor {name} for {entry.id}")
+
+
+def _check_tied_head(src: _Source) -> None:
+    """Some tied checkpoints also store lm_head.weight; accept it only as the embedding's copy."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    rows = src.handles[embed].get_slice(embed).get_shape()[0]
+    step = max(1, _CHUNK_BYTES // 4 // src.handles[embed].get_slice(embed).get_shape()[1])
+    for start in range(0, rows, step):
+        a, b = src.rows(embed, start, start + step), src.rows(head, start, start + step)
+        if a.shape != b.shape or a.view(np.uint16).tobytes() != b.view(np.uint16).tobytes():
+            raise ConvertError(f"{src.folder}: the checkpoint is tied but lm_head.weight differs "
+                               f"from model.embed_tokens.weight")
+
+
+def _converted_chunks(src: _Source, spec: TensorSpec, scheme: WeightScheme):
+    """Yield the artifact bytes of `spec`, a block of rows at a time."""
+    rows = spec.shape[0]
+    row_floats = int(np.prod(spec.shape[1:], dtype=np.int64)) or 1
+    step = max(1, _CHUNK_BYTES // 4 // row_floats)
+    for start in range(0, rows, step):
+        chunk = src.rows(spec.source, start, min(rows, start + step))
+        if chunk.dtype != ml_dtypes.bfloat16:
+            raise ConvertError(f"{src.folder}: tensor {spec.source} is {chunk.dtype}, not BF16")
+        if spec.kind == "norm":
+            yield chunk.astype(np.float32)
+        elif spec.kind == "proj":
+            try:
+                yield quantize(chunk, scheme)
+            except QuantError as e:
+                raise ConvertError(f"{src.folder}: tensor {spec.source} rows from {start}: {e}")
+        else:
+            yield chunk.view(np.uint8)
