@@ -19,7 +19,7 @@ import faults
 from kipp import gates
 from kipp.backend import KV_BLOCK
 from kipp.engine.blocks import BlockPool
-from kipp.engine.spec import SpecError
+from kipp.errors import KippError
 from kipp.model import load
 from kipp.text.sampling import Sampler, SamplingParams, adjusted_logits
 
@@ -148,7 +148,7 @@ def check_spec(env) -> bool:
         generation = model.generate(prompt, 12, stream=True, temperature=0, speculative=True)
         try:
             list(generation)
-        except SpecError:  # the decoder's own consistency check saw the corrupted session
+        except KippError:  # the engine's own checks refused the corrupted session
             return False
         ok &= generation.stats.tokens == rule.continuation(prompt, 12)
     return ok

@@ -1,7 +1,9 @@
 """The scheduler, driven step by step in-process on the reference backend (no thread, no HTTP).
 
-The oracle is Model.generate: one isolated session per prompt. Batched, chunked, prefix-adopting
-scheduling must give bitwise the same tokens for the same seed on the reference backend.
+The oracle is a plain loop over one fresh Session and a Sampler (`isolated`), written here apart
+from the engine. Batched, chunked, prefix-adopting scheduling must give bitwise the same tokens
+for the same seed on the reference backend. Model.generate drives the same scheduler, and a test
+here shows both give the same tokens and logprobs.
 """
 
 import pytest
@@ -20,7 +22,7 @@ from kipp.engine.scheduler import (
 from kipp.formats.registry import IM_END_ID
 from kipp.model import load
 from kipp.synthetic.writer import designed_rule, live_token_ids
-from kipp.text.sampling import SamplingParams
+from kipp.text.sampling import Sampler, SamplingParams
 
 TINY = "kipp-synthetic/qwen3-tiny"
 
@@ -37,9 +39,20 @@ def prompts(model):
 
 
 def isolated(model, prompt, max_tokens, **sampling):
-    generation = model.generate(prompt, max_tokens, stream=True, **sampling)
-    text = "".join(generation)
-    return generation.stats.tokens, text, generation.stats.finish_reason
+    """(tokens, text, finish reason) of one sequence alone: eval, sample, repeat."""
+    sampler = Sampler(SamplingParams(**sampling))
+    tokens, reason = [], "length"
+    with model.session() as session:
+        logits = session.eval(prompt)[0]
+        while len(tokens) < max_tokens:
+            token = sampler.sample(logits, session.tokens)
+            if token in model.entry.stop_token_ids:
+                reason = "stop"
+                break
+            tokens.append(token)
+            if len(tokens) < max_tokens:
+                logits = session.eval([token])[0]
+    return tokens, model.tokenizer.decode(tokens), reason
 
 
 def drive(scheduler, check_pool=True):
@@ -303,3 +316,45 @@ def test_step_counters_time_the_engine_and_count_compiles(model, monkeypatch):
                         raising=False)
     s = scheduler.stats()
     assert s["compiles"] == 2 and s["compile_seconds"] == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "speculative", "grammar", "seeded-grammar"])
+def test_the_python_api_and_the_scheduler_make_the_same_tokens(model, case):
+    """Model.generate pumps the model's own scheduler; a Request on another Scheduler over the
+    same model gives the same tokens and logprobs, bitwise (both adopt the published prompt)."""
+    from kipp.engine.spec import SpecConfig
+
+    options = {"greedy": dict(temperature=0), "seeded": dict(temperature=0.9, seed=4),
+               "speculative": dict(temperature=0), "grammar": dict(temperature=0),
+               "seeded-grammar": dict(temperature=0.9, seed=4)}[case]
+    grammar = None
+    if "grammar" in case:
+        pytest.importorskip("llguidance")
+        from kipp.text.grammar import regex_grammar
+
+        grammar = regex_grammar(r"[a-z ]{4,40}\.")
+    prompt = prompts(model)[1]
+    speculative = case == "speculative"
+    model.generate(prompt, 1, temperature=0)  # publishes the prompt: both runs adopt it
+    generation = model.generate(prompt, 20, stream=True, logprobs=3, speculative=speculative,
+                                grammar=grammar, **options)
+    text = "".join(generation)
+    scheduler = Scheduler(model)
+    ticket = scheduler.submit(Request(prompt=prompt, max_tokens=20, logprobs=3, grammar=grammar,
+                                      sampling=SamplingParams(**options),
+                                      spec=SpecConfig() if speculative else None))
+    lps = []
+    drive(scheduler)
+    events = list(ticket)
+    for event in events:
+        if isinstance(event, Delta):
+            lps.extend(event.logprobs)
+    tokens = [t for e in events if isinstance(e, Delta) for t in e.tokens]
+    assert tokens == generation.stats.tokens and len(tokens) > 3
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == text
+    assert lps == generation.stats.logprobs and len(lps) == len(tokens)
+    done = events[-1]
+    assert isinstance(done, Done) and done.cached_tokens == len(prompt) - 1
+    assert generation.stats.reused_tokens == len(prompt) - 1
+    if speculative:
+        assert done.spec.drafted > 0 and done.spec == generation.stats.spec

@@ -380,10 +380,10 @@ class BatchVariant:
 
 def seen_logits(monkeypatch, seed):
     """Record the logits every sampler of `seed` receives."""
-    import kipp.engine.scheduler
+    import kipp.engine.choices
 
     seen = []
-    real = kipp.engine.scheduler.Sampler
+    real = kipp.engine.choices.Sampler
 
     class Recording(real):
         def sample(self, logits, recent_tokens=(), allowed=None):
@@ -391,7 +391,7 @@ def seen_logits(monkeypatch, seed):
                 seen.append(np.array(logits, copy=True))
             return super().sample(logits, recent_tokens, allowed)
 
-    monkeypatch.setattr(kipp.engine.scheduler, "Sampler", Recording)
+    monkeypatch.setattr(kipp.engine.choices, "Sampler", Recording)
     return seen
 
 

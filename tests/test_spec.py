@@ -13,11 +13,10 @@ import pytest
 
 from kipp import gates
 from kipp.cli import main as cli_main
-from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig, SpeculativeDecoder
+from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig
 from kipp.formats.registry import IM_END_ID
 from kipp.model import GenerationError, load
 from kipp.synthetic.writer import designed_rule, live_token_ids
-from kipp.text.sampling import sample_greedy
 
 TINY = "kipp-synthetic/qwen3-tiny"
 STEPS = 16
@@ -175,14 +174,15 @@ def test_rollback_across_a_block_boundary(models, right, blocks):
     prompt = _prompts(model)["random"][:29]
     _, plain = _generate(model, prompt, steps=12)
     with model.session() as session:
-        logits = session.eval(prompt)[0]
+        session.eval(prompt[:-1])  # a borrowed session: the step evaluates the last token
         drafter = ScriptedDrafter(session, len(prompt), plain.tokens, right)
-        decoder = SpeculativeDecoder(session, lambda row, history: sample_greedy(row),
-                                     drafter=drafter, gate=FixedGate(7))
-        got = list(decoder.tokens(logits, prompt, 12))
+        config = SpecConfig(drafter=lambda: drafter, gate=lambda: FixedGate(7))
+        generation = model.generate(prompt, 12, stream=True, temperature=0, session=session,
+                                    speculative=config)
+        "".join(generation)
         assert drafter.seen == (30 + right, blocks)
-    assert got == plain.tokens
-    assert decoder.stats.accepted == right and decoder.stats.drafted == 7
+    assert generation.stats.tokens == plain.tokens
+    assert generation.stats.spec.accepted == right and generation.stats.spec.drafted == 7
     model.pool.check()
 
 
@@ -269,13 +269,13 @@ def test_sampling_is_refused():
         class entry:
             context_length = 100
 
-    from kipp.model import Generation
+    from kipp.generation import request_for
     from kipp.text.sampling import SamplingParams
 
     with pytest.raises(GenerationError, match="greedy only"):
-        Generation(FakeModel, [1, 2], 4, None, SamplingParams(temperature=0.7), speculative=True)
+        request_for(FakeModel, [1, 2], 4, None, SamplingParams(temperature=0.7), speculative=True)
     with pytest.raises(GenerationError, match="SpecConfig"):
-        Generation(FakeModel, [1, 2], 4, None, SamplingParams(temperature=0), speculative="yes")
+        request_for(FakeModel, [1, 2], 4, None, SamplingParams(temperature=0), speculative="yes")
 
 
 def test_prompt_lookup_drafter_matches_a_brute_force_search():

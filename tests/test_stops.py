@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kipp.generation import request_for
 from kipp.model import GenerationError
-from kipp.model import StopStrings as ModelStopStrings
+from kipp.text.sampling import SamplingParams
 from kipp.text.stops import StopError, StopPatterns, StopStrings
 
 
@@ -82,8 +83,12 @@ def test_examples():
 def test_bad_stop_strings():
     with pytest.raises(StopError, match="non-empty"):
         StopPatterns(["ok", ""])
+    class FakeModel:
+        class entry:
+            context_length = 100
+
     with pytest.raises(GenerationError, match="non-empty"):
-        ModelStopStrings([3])
+        request_for(FakeModel, [1, 2], 4, [3], SamplingParams())
 
 
 @pytest.mark.parametrize("stop", ["x" * 20_000, "ab" * 10_000 + "c"])

@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 
+import kipp.engine.scheduler
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
@@ -387,10 +389,14 @@ def test_masks_ahead_only_where_the_backend_leaves_the_host_free(jax_model, monk
     plain = jax_model.generate(PROMPT, 64, temperature=0.9, seed=4, json_schema=schema,
                                stream=True)
     text = "".join(plain)
-    monkeypatch.setattr(g, "masks_ahead", lambda backend: True)
+    monkeypatch.setattr(jax_model.engine, "masks_ahead", True)
+    prefetched = []
+    real = g.prefetch
+    monkeypatch.setattr(kipp.engine.scheduler, "prefetch",
+                        lambda matchers: prefetched.append(len(matchers)) or real(matchers))
     ahead = jax_model.generate(PROMPT, 64, temperature=0.9, seed=4, json_schema=schema,
                                stream=True)
-    assert "".join(ahead) == text and ahead._masks_ahead
+    assert "".join(ahead) == text and prefetched
     check(text, schema)
 
 

@@ -2,35 +2,21 @@
 
     model.generate(prompt, 256, temperature=0, speculative=True)   # same text, fewer evals
 
-Each step a drafter proposes the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens (prompt-lookup: no draft model). The step evaluates the last emitted
-token and the draft in ONE eval with a logits row per token, picks the greedy token after
-each row, and accepts the draft up to its first disagreement plus the model's own token there:
-1 to len(draft) + 1 tokens for one weight read. The KV of rejected draft tokens is rolled back
-with `Session.truncate`, so the session always holds exactly the accepted sequence.
-
-The emitted tokens are the plain greedy ones: every accepted token IS the greedy pick after
-its true prefix. Stop tokens, stop strings and max_tokens see the same tokens in the same
-order and cut them off in the same place (the caller consumes them one at a time). Logit bias
-and the history penalties are applied exactly: each row is picked with the history its position
-would have (prompt, emitted, draft before it). Only sampling (temperature > 0 with top_k != 1)
-is refused: a sampled token cannot be verified against a draft without changing the
-distribution. On backends whose multi-row logits are not bitwise the per-position ones (JAX:
-another compiled round, within 1e-4 NMSE), the two runs can part only at a numerical near-tie.
-
-A verify eval of n tokens costs more than a one-token eval (on XLA's CPU, measured at the
-0.6B shape: 4 rows ~2x, 16 rows ~2.8x one row), so `AdaptiveGate` drafts only when the
-acceptance it has seen makes the expected tokens per unit of cost beat plain decoding, picks
-the draft length that maximises it, and otherwise pauses drafting with an exponential backoff
-between probes: with drafts that are always wrong, almost every step is a plain one.
+A drafter proposes the tokens that followed the latest earlier occurrence of the sequence's
+last n tokens. The scheduler evaluates the pending token and the draft in one eval with a
+logits row per token, and a choice accepts the draft up to its first disagreement plus the
+model's own pick there (kipp.engine.choices.Choice._verify), rolling the rejected KV back with
+`Session.truncate`. Every accepted token is the greedy pick after its true prefix, so the output
+is plain greedy's; penalties and logit bias see each row's own history. Sampled requests are
+not speculated: a sampled token cannot be verified against a draft without changing the
+distribution. A verify eval costs more than a one-token eval, so `AdaptiveGate` drafts only
+while the acceptance it has seen pays for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
-
-import numpy as np
+from typing import Callable, Protocol, Sequence
 
 from kipp.errors import KippError
 
@@ -96,9 +82,8 @@ class AdaptiveGate:
     after a fully accepted draft, else the shortest size that would have held what was
     accepted. Sizes are one less than a power of two, so a verify fills its compiled round
     (kipp.cuda.rounds buckets token counts by powers of two).
-    The default costs are measured on the JAX backend on this project's CPU (module docstring);
-    where a 16-token eval costs about one token's (a GPU; not measured yet), pass
-    verify_base=1.0.
+    The default costs are those of XLA's CPU (a 4-row eval ~2x a 1-row one, 16 rows ~2.8x);
+    where a 16-token eval costs about one token's, as on a GPU, pass verify_base=1.0.
     """
 
     sizes: tuple[int, ...] = (3, 7, 15)
@@ -187,75 +172,3 @@ class SpecStats:
     @property
     def evals(self) -> int:
         return self.verify_evals + self.plain_evals
-
-
-Pick = Callable[[np.ndarray, Sequence[int]], int]  # (logits row, history) -> greedy token
-Evaluate = Callable[[list[int], int], np.ndarray]  # (tokens, logits_rows) -> rows
-
-
-class SpeculativeDecoder:
-    """Yields one sequence's greedy tokens, verifying drafts (module docstring).
-
-    `evaluate(tokens, rows)` appends tokens to `session` and returns its last `rows` logits
-    rows (by default `session.eval`; Generation passes a timed one). `pick(row, history)` is
-    the deterministic greedy choice; `history_matters` says whether it reads the history
-    (penalties), which otherwise is not built per row.
-    """
-
-    def __init__(self, session, pick: Pick, *, drafter: Drafter | None = None,
-                 gate: AdaptiveGate | None = None, evaluate: Evaluate | None = None,
-                 history_matters: bool = False):
-        self.session = session
-        self.pick = pick
-        self.drafter = drafter if drafter is not None else PromptLookupDrafter()
-        self.gate = gate if gate is not None else AdaptiveGate()
-        self.evaluate = evaluate if evaluate is not None else session.eval
-        self.history_matters = history_matters
-        self.stats = SpecStats()
-
-    def tokens(self, logits: np.ndarray, history: Sequence[int], limit: int) -> Iterator[int]:
-        """The greedy tokens after `history` (whose last token's logits are `logits`, already
-        evaluated in the session), at most `limit`. The consumer may stop at any token; the
-        session then holds the sequence up to the token before it."""
-        sequence = list(history)
-        pending = [self._pick(logits, sequence, [], 0)]
-        produced = 0
-        while True:
-            for token in pending:
-                yield token
-                sequence.append(token)
-                produced += 1
-                if produced == limit:
-                    return
-            pending = self._step(sequence, room=limit - produced - 1)
-
-    def _step(self, sequence: list[int], room: int) -> list[int]:
-        """Evaluate the last token (and a draft); return the tokens accepted after it."""
-        start = self.session.length
-        if start != len(sequence) - 1:
-            raise SpecError(f"the session holds {start} tokens; the sequence's last token "
-                            f"should be the only one not evaluated ({len(sequence)} tokens)")
-        budget = min(self.gate.budget(), room)
-        draft = self.drafter.draft(sequence, budget) if budget > 0 else []
-        rows = self.evaluate([sequence[-1]] + draft, len(draft) + 1)
-        if not draft:
-            self.stats.plain_evals += 1
-            return [self._pick(rows[0], sequence, [], 0)]
-        accepted = []
-        for i, guess in enumerate(draft):
-            token = self._pick(rows[i], sequence, draft, i)
-            accepted.append(token)
-            if token != guess:
-                break
-        else:
-            accepted.append(self._pick(rows[len(draft)], sequence, draft, len(draft)))
-        matched = len(accepted) - 1
-        self.session.truncate(start + 1 + matched)  # drop the KV of rejected draft tokens
-        self.stats.verify_evals += 1
-        self.stats.drafted += len(draft)
-        self.stats.accepted += matched
-        self.gate.update(len(draft), matched)
-        return accepted
-
-    def _pick(self, row: np.ndarray, sequence: list[int], draft: list[int], i: int) -> int:
-        return self.pick(row, sequence + draft[:i] if self.history_matters else ())

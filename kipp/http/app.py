@@ -2,13 +2,12 @@
 
 A handler parses the body into a Call (kipp.http.schema), submits its Requests to the scheduler
 (one per prompt, as a TicketGroup) and turns the events into a JSON response or a server-sent
-event stream. Handlers never touch the model: the tokenizer (pure) is the one model attribute
-they read, for prompts and for the text of logprob tokens. A client that goes away cancels its
-own request, streamed or not: a waiting handler polls waitress's `client_disconnected` (the
-server runs with a request lookahead so that it sees the connection close), and for a stream the
-WSGI server also closes the response iterator, whose `finally` cancels the tickets. When a chat request
-offers tools, each choice's text goes through kipp.text.chat.ToolCallStream: content deltas as they
-come, a `delta.tool_calls` chunk per call once its <tool_call> block closes.
+event stream (kipp.http.shape). Handlers never touch the model: the tokenizer (pure) is the one
+model attribute they read, for prompts and for the text of logprob tokens. A client that goes
+away cancels its own request, streamed or not: a waiting handler polls waitress's
+`client_disconnected` (the server runs with a request lookahead so that it sees the connection
+close), and for a stream the WSGI server also closes the response iterator, whose `finally`
+cancels the tickets.
 """
 
 from __future__ import annotations
@@ -18,17 +17,14 @@ import logging
 import queue
 import re
 import time
-import uuid
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from kipp.engine.scheduler import (
     SHUTDOWN_MESSAGE,
-    Delta,
     Done,
     Failed,
-    Finished,
     QueueFull,
     SchedulerError,
     ShuttingDown,
@@ -36,7 +32,7 @@ from kipp.engine.scheduler import (
 )
 from kipp.http.metrics import Metrics
 from kipp.http.schema import APIError, Call, parse_chat, parse_completion
-from kipp.text.chat import ToolCallStream, parse_tool_calls
+from kipp.http.shape import Shape, TokenText, shape_for
 
 log = logging.getLogger("kipp.http")
 
@@ -54,10 +50,14 @@ def create_app(model, scheduler, *, model_name: str | None = None,
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     served = model_name or model.entry.id
     metrics = Metrics(scheduler)
-    created = int(time.time())
-    tokenizer = model.tokenizer
-    token_text = _TokenText(tokenizer)
-    template = _chat_template(model)
+    _error_handlers(app, metrics)
+    _info_routes(app, model, scheduler, metrics, served)
+    _generation_routes(app, model, scheduler, metrics, served, chat_max_tokens)
+    return app
+
+
+def _error_handlers(app: Flask, metrics: Metrics) -> None:
+    """Every error in OpenAI's error shape, and each response counted by route and status."""
 
     @app.errorhandler(APIError)
     def api_error(e: APIError):
@@ -83,6 +83,11 @@ def create_app(model, scheduler, *, model_name: str | None = None,
         metrics.responses.labels(request.url_rule.rule if request.url_rule else "other",
                                  str(response.status_code)).inc()
         return response
+
+
+def _info_routes(app: Flask, model, scheduler, metrics: Metrics, served: str) -> None:
+    """/health, /metrics and /v1/models."""
+    created = int(time.time())
 
     @app.get("/health")
     def health():
@@ -112,10 +117,18 @@ def create_app(model, scheduler, *, model_name: str | None = None,
                            "model_not_found")
         return _model_card(model, served, created)
 
+
+def _generation_routes(app: Flask, model, scheduler, metrics: Metrics, served: str,
+                       chat_max_tokens: int) -> None:
+    """/v1/completions and /v1/chat/completions: parse, submit, answer."""
+    tokenizer = model.tokenizer
+    token_text = TokenText(tokenizer)
+    template = _chat_template(model)
+
     @app.post("/v1/completions")
     def completions():
         call = parse_completion(_json_body(), served, tokenizer)
-        return _answer(call)
+        return _answer(call, scheduler, metrics, shape_for(call, served, token_text))
 
     @app.post("/v1/chat/completions")
     def chat_completions():
@@ -128,28 +141,27 @@ def create_app(model, scheduler, *, model_name: str | None = None,
 
         call = parse_chat(body, served, tokenizer, model.entry.has_chat_template,
                           model.entry.context_length, default_max_tokens, template=template)
-        return _answer(call)
+        return _answer(call, scheduler, metrics, shape_for(call, served, token_text))
 
-    def _answer(call: Call):
-        ticket = _submit(scheduler, call)
-        shape = _Shape(call, served, token_text)
-        gone = request.environ.get("waitress.client_disconnected")
-        if call.stream:
-            return Response(_sse(ticket, shape, metrics, scheduler, gone),
-                            content_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            events = list(_events(ticket, scheduler, gone))
-        finally:
-            if not ticket.ended:
-                ticket.cancel()
-        last = events[-1]
-        if isinstance(last, Failed):
-            raise _failure(last)
-        metrics.observe(ticket)
-        return shape.response(events)
 
-    return app
+def _answer(call: Call, scheduler, metrics: Metrics, shape: Shape):
+    """Submit the call and answer: an SSE stream, or the whole response once it is done."""
+    ticket = _submit(scheduler, call)
+    gone = request.environ.get("waitress.client_disconnected")
+    if call.stream:
+        return Response(_sse(ticket, shape, metrics, scheduler, gone),
+                        content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        events = list(_events(ticket, scheduler, gone))
+    finally:
+        if not ticket.ended:
+            ticket.cancel()
+    last = events[-1]
+    if isinstance(last, Failed):
+        raise _failure(last)
+    metrics.observe(ticket)
+    return shape.response(events)
 
 
 def _chat_template(model):
@@ -208,7 +220,7 @@ def _events(ticket: Ticket, scheduler, gone=None):
             return
 
 
-def _sse(ticket: Ticket, shape: "_Shape", metrics: Metrics, scheduler, gone=None):
+def _sse(ticket: Ticket, shape: Shape, metrics: Metrics, scheduler, gone=None):
     """Server-sent events; closing this generator early (client gone) cancels the request."""
     try:
         for chunk in shape.first_chunks():
@@ -291,170 +303,3 @@ def _model_card(model, served: str, created: int) -> dict:
             "kipp": {"checkpoint": entry.id, "revision": entry.revision,
                      "scheme": model.artifact.scheme.name, "backend": model.backend.describe(),
                      "context_length": entry.context_length, "variant": entry.variant}}
-
-
-class _TokenText:
-    """Token ids as the strings and bytes that logprobs report."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def bytes(self, token: int) -> bytes:
-        return self.tokenizer.decode_bytes([token])
-
-    def text(self, token: int) -> str:
-        return self.bytes(token).decode("utf-8", errors="replace")
-
-
-class _Shape:
-    """Builds the endpoint's response and chunk objects from scheduler events."""
-
-    def __init__(self, call: Call, served: str, token_text: _TokenText):
-        self.call, self.served, self.tt = call, served, token_text
-        chat = call.endpoint == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.object = "chat.completion" if chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
-        self.created = int(time.time())
-        self.n = len(call.requests) * call.request.n  # choice i*n + j: prompt i's choice j
-        self.text_offsets = [0] * self.n
-        # chat with tools: each choice's text split into content and tool calls as it streams
-        self.tool_streams = [ToolCallStream() for _ in range(self.n)] if call.tools else None
-        self.tool_calls = [0] * self.n  # calls streamed so far, per choice
-        self.held_logprobs = [[] for _ in range(self.n)]
-
-    # -- logprobs in each endpoint's native shape
-
-    def _chat_logprob(self, lp) -> dict:
-        def entry(token, value):
-            return {"token": self.tt.text(token), "logprob": value,
-                    "bytes": list(self.tt.bytes(token))}
-
-        return {**entry(lp.token, lp.logprob),
-                "top_logprobs": [entry(t, v) for t, v in lp.top]}
-
-    def _legacy_logprobs(self, choice: int, lps) -> dict:
-        tokens, offsets = [], []
-        for lp in lps:
-            text = self.tt.text(lp.token)
-            tokens.append(text)
-            offsets.append(self.text_offsets[choice])
-            self.text_offsets[choice] += len(text)
-        # An echoed prompt's first token has no logprob and no alternatives: null, as OpenAI.
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [None if lp.top is None else
-                                 {self.tt.text(t): v for t, v in lp.top} for lp in lps],
-                "text_offset": offsets}
-
-    def _logprobs(self, choice: int, lps):
-        if not self.call.logprobs:
-            return None
-        if self.call.endpoint == "chat":
-            return {"content": [self._chat_logprob(lp) for lp in lps]}
-        return self._legacy_logprobs(choice, lps)
-
-    # -- whole responses
-
-    def _usage(self, done: Done) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-    def response(self, events) -> dict:
-        n = self.n
-        texts, lps, reasons = [""] * n, [[] for _ in range(n)], [None] * n
-        done = None
-        for event in events:
-            if isinstance(event, Delta):
-                texts[event.choice] += event.text
-                lps[event.choice].extend(event.logprobs)
-            elif isinstance(event, Finished):
-                reasons[event.choice] = event.reason
-            elif isinstance(event, Done):
-                done = event
-        choices = []
-        for i in range(n):
-            choice = {"index": i, "logprobs": self._logprobs(i, lps[i]),
-                      "finish_reason": reasons[i]}
-            if self.call.endpoint == "chat":
-                choice["message"] = {"role": "assistant", "content": texts[i]}
-                if self.call.tools:
-                    self._with_tool_calls(choice, texts[i])
-            else:
-                choice["text"] = texts[i]
-            choices.append(choice)
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.served, "choices": choices, "usage": self._usage(done),
-                "timings": done.timings}
-
-    @staticmethod
-    def _with_tool_calls(choice: dict, text: str) -> None:
-        content, calls = parse_tool_calls(text)
-        choice["message"]["content"] = content
-        if calls:
-            choice["message"]["tool_calls"] = [call.openai() for call in calls]
-            if choice["finish_reason"] == "stop":
-                choice["finish_reason"] = "tool_calls"
-
-    # -- stream chunks
-
-    def _chunk(self, choices: list, **extra) -> dict:
-        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                 "model": self.served, "choices": choices}
-        if self.call.include_usage:
-            chunk["usage"] = None
-        chunk.update(extra)
-        return chunk
-
-    def first_chunks(self):
-        if self.call.endpoint != "chat":
-            return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-                for i in range(self.n)]
-
-    def chunks(self, event):
-        chat = self.call.endpoint == "chat"
-        if self.tool_streams is not None and isinstance(event, (Delta, Finished)):
-            return self._tool_chunks(event)
-        if isinstance(event, Delta):
-            body = {"delta": {"content": event.text}} if chat else {"text": event.text}
-            return [self._chunk([{"index": event.choice, **body,
-                                  "logprobs": self._logprobs(event.choice, event.logprobs),
-                                  "finish_reason": None}])]
-        if isinstance(event, Finished):
-            body = {"delta": {}} if chat else {"text": ""}
-            return [self._chunk([{"index": event.choice, **body, "logprobs": None,
-                                  "finish_reason": event.reason}])]
-        if isinstance(event, Done) and self.call.include_usage:
-            return [self._chunk([], usage=self._usage(event), timings=event.timings)]
-        return []
-
-    def _tool_chunks(self, event) -> list:
-        """Chat chunks when tools were offered: content deltas, and a `delta.tool_calls`
-        chunk (index, id, name and whole arguments) per call once its block has closed."""
-        i = event.choice
-        stream = self.tool_streams[i]
-        if isinstance(event, Delta):
-            self.held_logprobs[i].extend(event.logprobs)
-            pieces = stream.feed(event.text)
-        else:
-            pieces = stream.flush()
-        chunks = []
-        for kind, value in pieces:
-            if kind == "content":
-                delta = {"content": value}
-            else:
-                delta = {"tool_calls": [value.openai(self.tool_calls[i])]}
-                self.tool_calls[i] += 1
-            logprobs = self._logprobs(i, self.held_logprobs[i])
-            self.held_logprobs[i] = []
-            chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": None}]))
-        if isinstance(event, Finished):
-            reason = event.reason
-            if self.tool_calls[i] and reason == "stop":
-                reason = "tool_calls"
-            chunks.append(self._chunk([{"index": i, "delta": {}, "logprobs": None,
-                                        "finish_reason": reason}]))
-        return chunks

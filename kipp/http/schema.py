@@ -322,32 +322,19 @@ def _response_format(body: dict):
         raise bad(str(e), "response_format") from None
 
 
-def _tools(body: dict):
-    """(grammar or None, whether to parse tool calls, the tools to render) for a chat body."""
-    from kipp.text.grammar import GrammarError, function_tools, tool_choice_grammar
+def _chat_constraint(body: dict):
+    """(grammar, parse tool calls?, tools to render) of a chat body."""
+    from kipp.text.chat import chat_grammar
+    from kipp.text.grammar import GrammarError
 
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = _boolean(body, "parallel_tool_calls", True)
-    if tools is None:
-        if choice not in (None, "none"):
-            raise bad(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
-        return None, False, None
     try:
-        functions = function_tools(tools)
-        grammar = tool_choice_grammar(functions, choice, parallel)
+        grammar = chat_grammar(body.get("response_format"), tools, choice, parallel)
     except GrammarError as e:
-        raise bad(str(e), e.param if e.param in ("tools", "tool_choice") else "tools") from None
-    return grammar, choice != "none", tools
-
-
-def _chat_constraint(body: dict):
-    """(grammar, parse tool calls?, tools to render) of a chat body."""
-    grammar, parse, tools = _tools(body)
-    formatted = _response_format(body)
-    if grammar is not None and formatted is not None:
-        raise bad("'tool_choice' forces a tool call, so 'response_format' cannot also "
-                  "constrain the reply; give one of them", "response_format")
-    return grammar or formatted, parse, tools
+        fields = ("tools", "tool_choice", "response_format")
+        raise bad(str(e), e.param if e.param in fields else "tools") from None
+    return grammar, tools is not None and choice != "none", tools
 
 
 def parse_chat(body: Any, served: str, tokenizer, has_template: bool, context_length: int,

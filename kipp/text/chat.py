@@ -401,3 +401,27 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     if calls and not content.strip():
         return None, calls
     return content, calls
+
+
+def reply_finish_reason(reason: str | None, calls: Sequence) -> str | None:
+    """A reply that ended on its own ("stop") with tool calls in it finished to call them."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def chat_grammar(response_format, tools, tool_choice, parallel_tool_calls: bool = True, *,
+                 bare_schema: bool = False):
+    """The one grammar a chat reply is held to: a forced tool call (tool_choice "required" or
+    a named function) or a response format, never both (kipp.text.grammar; a GrammarError
+    names the field). `bare_schema` also takes a plain JSON Schema as the response format."""
+    from kipp.text import grammar as g
+
+    if tools is None and tool_choice not in (None, "none"):
+        raise g.GrammarError(f"'tool_choice' {tool_choice!r} needs 'tools'", "tool_choice")
+    forced = None
+    if tools is not None:
+        forced = g.tool_choice_grammar(g.function_tools(tools), tool_choice, parallel_tool_calls)
+    formatted = g.response_format_grammar(response_format, bare_schema=bare_schema)
+    if forced is not None and formatted is not None:
+        raise g.GrammarError("'tool_choice' forces a tool call, so 'response_format' cannot "
+                             "also constrain the reply; give one of them", "response_format")
+    return forced or formatted

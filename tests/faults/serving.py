@@ -7,7 +7,7 @@ exactly the one described and everything else runs as shipped.
 from __future__ import annotations
 
 from faults import Fault, register
-from kipp.engine import blocks, scheduler, session
+from kipp.engine import blocks, choices, session
 from kipp.text import sampling
 
 
@@ -56,15 +56,15 @@ def _plant_rollback_keeps_one(patch):
 
 
 def _plant_scheduler_feeds_previous(patch):
-    original = scheduler._Choice.next_tokens
+    original = choices.Choice.next_tokens
 
     def next_tokens(self, chunk):
         out = original(self, chunk)
-        if self.state == "decode" and self.session.tokens:
+        if not self.in_prompt and self.session.tokens:
             out[0] = self.session.tokens[-1]  # re-feeds the last evaluated token
         return out
 
-    patch.setattr(scheduler._Choice, "next_tokens", next_tokens)
+    patch.setattr(choices.Choice, "next_tokens", next_tokens)
 
 
 _POOL = "block pool: invariants, no leaked blocks"
@@ -88,7 +88,7 @@ for fault in (
           "rolling back after a rejected draft keeps one rejected token's KV",
           _plant_rollback_keeps_one, ("speculative greedy = plain greedy",)),
     Fault("scheduler-refeeds-previous-token", "scheduler",
-          "kipp.engine.scheduler._Choice.next_tokens",
+          "kipp.engine.choices.Choice.next_tokens",
           "a decode step evaluates the last evaluated token again, not the sampled one",
           _plant_scheduler_feeds_previous, ("scheduler: concurrent greedy = designed rule",)),
 ):

@@ -1,0 +1,270 @@
+"""A running request and its choices: what each step evaluates for them and what it does after.
+
+One invariant instead of phases: a choice's session catches up to its tokens. Until the prompt
+is in the session a step evaluates the next prompt chunk; after that it evaluates the pending
+(sampled, not yet evaluated) token and, for a speculative choice, a draft behind it. Rows come
+back; the choice picks from them and hands each picked token to its ChoiceOutput.
+
+The n choices of one request share their prompt: the first choice evaluates it and publishes its
+full blocks, and the others (WAITING until then) adopt them and evaluate only the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import numpy as np
+
+from kipp.engine.output import ChoiceOutput
+from kipp.engine.requests import Delta, Done, FinishReason, Ticket, TokenLogprob, timings
+from kipp.engine.session import Session
+from kipp.engine.spec import SpecConfig, SpecStats
+from kipp.text.grammar import Matcher
+from kipp.text.sampling import Sampler, logprobs
+
+
+class ChoiceState(Enum):
+    WAITING = "waiting"  # a follower, until the first choice has published the prompt's blocks
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Choice:
+    """One sequence of a running request."""
+
+    def __init__(self, run: Run, index: int, session: Session, matcher: Matcher | None):
+        model, request = run.model, run.request
+        self.run, self.index, self.session = run, index, session
+        self.sampler = Sampler(request.sampling, choice=index)
+        self.output = ChoiceOutput(index, model.tokenizer, model.entry.stop_token_ids,
+                                   run.ticket.stops, request.max_tokens, request.logprobs,
+                                   run.ticket.put, matcher)
+        # Followers wait for the first choice's prompt blocks, unless the request adopts none
+        # (then they prefill at once) or only scores its prompt (max_tokens 0: they never run).
+        wait = index and (run.adopts or request.max_tokens == 0)
+        self.state = ChoiceState.WAITING if wait else ChoiceState.RUNNING
+        self.pending: int | None = None  # the picked token the next step evaluates
+        spec = run.spec
+        self.drafter = spec.drafter() if spec else None
+        self.gate = spec.gate() if spec else None
+        self.spec = SpecStats() if spec else None
+        self.draft: list[int] = []
+        self.decode_evals = 0
+
+    @property
+    def matcher(self) -> Matcher | None:
+        return self.output.matcher
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.pending is None
+
+    def next_tokens(self, chunk: int) -> list[int]:
+        """The tokens this step evaluates: the next prompt chunk, or pending + draft."""
+        if self.in_prompt:
+            start = self.session.length
+            return list(self.run.request.prompt[start:start + chunk])
+        self.draft = self._draft()
+        return [self.pending] + self.draft
+
+    def rows(self, tokens: list[int]) -> int:
+        """Logits rows to ask for `tokens`: every row when scoring the prompt."""
+        if self.in_prompt:
+            return len(tokens) if self.index == 0 and self.run.scores_prompt else 1
+        return 1 + len(self.draft)
+
+    def apply(self, rows: np.ndarray) -> None:
+        """Act on this step's logits rows (the session holds the evaluated tokens now)."""
+        if self.in_prompt:
+            if len(rows) > 1:
+                self.run.score_prompt(self, rows)
+            if self.session.length < len(self.run.request.prompt):
+                return  # more prompt chunks to go
+            if self.run.prompt_done(self):
+                self._pick(rows[-1])
+            return
+        self.decode_evals += 1
+        if self.draft:
+            self._verify(rows)
+        else:
+            if self.spec is not None:
+                self.spec.plain_evals += 1
+            self._pick(rows[-1])
+
+    def finish(self, reason: FinishReason) -> None:
+        """End the choice from outside its own tokens (the request scores its prompt only)."""
+        self.output.finish(reason)
+        self.close()
+
+    def close(self) -> None:
+        self.state = ChoiceState.DONE
+        self.pending = None
+        if self.index == 0 and self.run.prompt_done_at is None:
+            self.run.prompt_done_at = time.perf_counter()
+
+    def _pick(self, logits: np.ndarray, history=None) -> int:
+        allowed = None if self.matcher is None else self.matcher.allowed()
+        token = self.sampler.sample(logits, self.session.tokens if history is None
+                                    else history, allowed)
+        before = len(self.output.generated)
+        reason = self.output.accept(token, logits)
+        self.run.scheduler.counters["generated_tokens"] += len(self.output.generated) - before
+        if reason is not None:
+            self.close()
+        else:
+            self.pending = token
+        return token
+
+    def _draft(self) -> list[int]:
+        if self.drafter is None:
+            return []
+        # The draft must fit the session, and emitting all of it plus the model's own next
+        # token must not pass max_tokens.
+        room = min(self.session.remaining - 1,
+                   self.run.request.max_tokens - len(self.output.generated) - 1)
+        budget = min(self.gate.budget(), room)
+        draft = self.drafter.draft(self.session.tokens + [self.pending], budget) \
+            if budget > 0 else []
+        if draft and self.matcher is not None:  # never verify what the grammar bars
+            draft = draft[:self.matcher.valid_prefix(draft)]
+        return draft
+
+    def _verify(self, rows: np.ndarray) -> None:
+        """Accept the draft up to the first row whose pick disagrees, plus that pick; roll the
+        rejected draft's KV back. Each pick goes through the output as a plain step's would,
+        so stop tokens, stop strings and max_tokens cut in the same place."""
+        draft, session = self.draft, self.session
+        evaluated = session.length  # pending + draft are in the session now
+        matched = 0
+        for i, row in enumerate(rows):
+            # Row i's history is the session's tokens up to and including its own position.
+            token = self._pick(row, session.tokens[: evaluated - len(draft) + i])
+            if i == len(draft) or token != draft[i]:
+                break
+            matched += 1  # a drafted stop token counts: the draft was right
+            if self.state is ChoiceState.DONE:
+                break
+        self.gate.update(len(draft), matched)
+        self.spec.verify_evals += 1
+        self.spec.drafted += len(draft)
+        self.spec.accepted += matched
+        counters = self.run.scheduler.counters
+        counters["spec_drafted"] += len(draft)
+        counters["spec_accepted"] += matched
+        keep = evaluated - len(draft) + matched
+        if self.state is not ChoiceState.DONE and keep < evaluated:
+            session.truncate(keep)
+
+
+class Run:
+    """A request admitted to the batch: its choices, its reservation, its timings."""
+
+    def __init__(self, scheduler, ticket: Ticket):
+        self.scheduler, self.ticket = scheduler, ticket
+        self.model = scheduler.model
+        self.request = request = ticket.request
+        self.choices: list[Choice] = []
+        self.reservation = None
+        self.cached_tokens = 0
+        self.admitted_at = time.perf_counter()
+        self.prompt_done_at: float | None = None
+        # A seeded sampled request on a batch-variant backend runs alone and adopts nothing.
+        self.isolated = (not self.model.backend.batch_invariant
+                         and request.sampling.seed is not None
+                         and not request.sampling.is_greedy)
+        self.adopts = not self.isolated  # whether choices adopt published prompt blocks
+        self.scores_prompt = request.echo and request.logprobs is not None
+        self.prompt_logprobs: list[TokenLogprob] = []  # echo: one per prompt token so far
+        self.spec: SpecConfig | None = None  # speculative drafts verify greedy picks only
+        if request.sampling.is_greedy:
+            self.spec = request.spec or (SpecConfig() if scheduler.speculative else None)
+
+    @property
+    def live(self) -> list[Choice]:
+        return [c for c in self.choices if c.state is not ChoiceState.DONE]
+
+    def start(self, leader: Session, matcher: Matcher | None) -> None:
+        """Create the choices: the first on `leader`, the others on new reserved sessions;
+        one grammar state per choice, copied before any token."""
+        capacity = len(self.request.prompt) + self.request.max_tokens
+        leader.reservation = self.reservation
+        for i in range(self.request.n):
+            session = leader if i == 0 else self.model.session(capacity, self.reservation)
+            copy = matcher if i == 0 or matcher is None else matcher.copy()
+            self.choices.append(Choice(self, i, session, copy))
+
+    def prompt_done(self, choice: Choice) -> bool:
+        """A choice has its prompt's KV; whether it goes on to pick its first token."""
+        if choice.index != 0:
+            return True
+        self.prompt_done_at = time.perf_counter()
+        if self.request.echo:
+            self._echo()
+        if self.request.max_tokens == 0:  # echo only: the prompt is scored, nothing to add
+            for c in self.live:
+                c.finish(FinishReason.LENGTH)
+            return False
+        self._release_followers()
+        return True
+
+    def score_prompt(self, choice: Choice, rows: np.ndarray) -> None:
+        """Logprobs of the prompt tokens that this prefill chunk's rows predict."""
+        prompt = self.request.prompt
+        start = choice.session.length - len(rows)  # position of the chunk's first token
+        if start == 0:
+            self.prompt_logprobs.append(TokenLogprob(prompt[0], None, None))
+        targets = prompt[start + 1: start + 1 + len(rows)]  # the last row predicts no prompt
+        for row, token in zip(rows, targets):
+            lp, top = logprobs(row, token, self.request.logprobs)
+            self.prompt_logprobs.append(TokenLogprob(token, lp, tuple(top)))
+
+    def _echo(self) -> None:
+        """Every choice's events start with the prompt (and its logprobs when scored)."""
+        prompt = self.request.prompt
+        text = self.model.tokenizer.decode(list(prompt))
+        for choice in self.choices:
+            self.ticket.put(Delta(choice.index, text, prompt, tuple(self.prompt_logprobs)))
+
+    def _release_followers(self) -> None:
+        """The first choice has the prompt's KV: publish its full blocks, let the others adopt."""
+        followers = self.choices[1:]
+        if not followers or not self.adopts:
+            return  # a request that adopts nothing started its followers at admission
+        leader = self.choices[0].session
+        self.model.pool.publish(leader.tokens, leader.block_table)
+        for follower in followers:
+            adopted = follower.session.match_prefix(self.request.prompt)
+            self.scheduler.counters["reused_tokens"] += adopted
+            follower.state = ChoiceState.RUNNING
+
+    def close(self) -> None:
+        """Publish every owned choice's full blocks, release them and the unused reservation;
+        a borrowed session stays open, holding what it evaluated."""
+        for choice in self.choices:
+            if choice.session is self.ticket.session:
+                choice.session.reservation = None
+            else:
+                choice.session.close(publish=True)
+        if self.reservation is not None:
+            self.reservation.release()
+
+    def done(self) -> Done:
+        """The request's Done event, its timings measured from admission."""
+        now = time.perf_counter()
+        prompt_done = self.prompt_done_at or now
+        completion = sum(len(c.output.generated) for c in self.choices)
+        spec = None
+        if self.spec is not None:
+            spec = SpecStats()
+            for c in self.choices:
+                for key in ("drafted", "accepted", "verify_evals", "plain_evals"):
+                    setattr(spec, key, getattr(spec, key) + getattr(c.spec, key))
+        return Done(len(self.request.prompt), self.cached_tokens, completion,
+                    timings(len(self.request.prompt) - self.cached_tokens, self.cached_tokens,
+                            1000 * (prompt_done - self.admitted_at), completion,
+                            1000 * (now - prompt_done),
+                            1000 * (self.admitted_at - self.ticket.submitted_at)),
+                    decode_evals=sum(c.decode_evals for c in self.choices),
+                    decode_tokens=sum(max(0, c.output.picked - 1) for c in self.choices),
+                    spec=spec)
