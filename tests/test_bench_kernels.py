@@ -1,9 +1,16 @@
 """bench/kernels.py's arithmetic and rendering, on made-up compile rows (no compile here: the
 compile itself is tests/test_cuda_compile.py's)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("jax")
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench/ is a directory of the repo, not an installed package
+    sys.path.insert(0, str(REPO))
 
 from bench import kernels  # noqa: E402
 from kipp.cuda.pallas import kernel_shapes as ks  # noqa: E402

@@ -1,4 +1,4 @@
-"""Kipp's CPU decode attention (kipp/cuda/cpu_attention.*): kernel vs the jax.numpy twin vs numpy
+"""Kipp's CPU decode attention (kipp/cuda/cpu/attention.*): kernel vs the jax.numpy twin vs numpy
 in float64, a stacked slab's layer, per-sequence independence (bitwise), bad input, and the
 JAX backend's use of it.
 

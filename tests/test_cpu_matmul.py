@@ -1,4 +1,4 @@
-"""Kipp's CPU matmul (kipp/cuda/cpu_matmul.*): kernel vs jax.numpy twin vs numpy in float64,
+"""Kipp's CPU matmul (kipp/cuda/cpu/matmul.*): kernel vs jax.numpy twin vs numpy in float64,
 row independence (bitwise), the panel layout, the build's failure path, and the backend's
 choice of layout.
 

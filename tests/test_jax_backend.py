@@ -2,7 +2,7 @@
 
 On a CPU these run the jax.numpy twins (float32 layout, and the GPU's packed layout), plus one
 whole-model run of the Pallas kernels in interpret mode; on a GPU the default path is the
-kernels. Bounds are DESIGN.md's: identical argmax (up to numerical near-ties, gates.argmax_check)
+kernels. Bounds are the gates': identical argmax (up to numerical near-ties, gates.argmax_check)
 and NMSE <= 1e-4 at every prefill and decode position; a scrambled block table bitwise equal to
 the identity table; batched mixed-length eval equal to isolated within the same bound.
 """
@@ -195,9 +195,9 @@ def test_steady_state_decode_does_not_recompile(artifacts):
 
 
 def test_a_prefill_round_compiles_its_one_token_program(artifacts):
-    """A repeated prompt adopts all but its last token (kipp.engine.blocks' tails) and evaluates that
-    one with the decode program of the prompt's block width: compiled with the prefill, so the
-    cache hit never waits on a compile."""
+    """A repeated prompt adopts all but its last token (kipp.engine.blocks' tails) and evaluates
+    that one with the decode program of the prompt's block width: compiled with the prefill, so
+    the cache hit never waits on a compile."""
     from kipp.cuda.rounds import Bucket
 
     _, jb = _backends(artifacts, TINY, "bf16")
@@ -234,6 +234,76 @@ def test_path_selection_and_twins_switch(monkeypatch):
     choice = select.choose_path("auto", "gpu")
     assert not choice.kernels and select.TWINS_ENV in choice.reason
     assert select.choose_path("interpret", "cpu").interpret
+
+
+def test_platform_plan_without_a_device():
+    """kipp.cuda.plan derives every platform flag from the facts alone: one CPU device, a CPU
+    without Kipp's kernels, a mesh, a GPU (and its twins switch), interpret mode."""
+    from kipp.cuda.plan import Facts, make_plan
+    from kipp.errors import KippError
+    from kipp.memory import WeightMemory
+
+    built, missing = (True, "built"), (False, "no C++ compiler")
+    stored, wide = WeightMemory("stored", "test"), WeightMemory("float32", "test")
+    cpu = Facts("cpu", cpu_matmul=built, cpu_attention=built)
+    p = make_plan(cpu, scheme="q8_0", weight_memory=stored)
+    assert (p.layout, p.bits, p.stacked, p.cpu_attention, p.lean_compile, p.cpu_steps) == (
+        "device", True, True, True, True, True)
+    assert not p.choice.kernels and not p.first_step and p.probe_formats == () and not p.warnings
+    p = make_plan(cpu, scheme="bf16", weight_memory=wide, kv_scheme="q8_0")
+    assert (p.layout, p.bits, p.stacked, p.cpu_attention, p.lean_compile) == (
+        "panels", False, True, False, False)
+    bare = Facts("cpu", cpu_matmul=missing, cpu_attention=missing)
+    p = make_plan(bare, scheme="bf16", weight_memory=wide)
+    assert (p.layout, p.stacked, p.cpu_attention) == ("f32", False, False)
+    assert len(p.warnings) == 2 and all("no C++ compiler" in w for w in p.warnings)
+    with pytest.raises(KippError, match="panels .* one CPU device \\(no C\\+\\+ compiler"):
+        make_plan(bare, scheme="bf16", weight_layout="panels")
+    mesh = Facts("cpu", sharded=True)
+    p = make_plan(mesh, scheme="bf16", path="interpret", weight_memory=wide)
+    assert (p.choice.kernels, p.choice.reason, p.layout, p.stacked, p.bits) == (
+        False, "sharded over a mesh: twins", "f32", False, False)
+    gpu = Facts("gpu", device_kind="NVIDIA H200")
+    p = make_plan(gpu, scheme="q8_0", weight_memory=stored)
+    assert p.choice.kernels and "NVIDIA H200" in p.choice.reason and p.first_step
+    assert (p.layout, p.bits, p.stacked, p.lean_compile, p.cpu_steps) == (
+        "device", False, False, False, False)
+    assert p.probe_formats == ("q8_0", "bf16")
+    p = make_plan(Facts("gpu", device_kind="x", twins_env="1"), scheme="q8_0",
+                  weight_memory=stored)
+    assert not p.choice.kernels and select.TWINS_ENV in p.choice.reason
+    with pytest.raises(KippError, match="panels .* one CPU device \\(gpu\\)"):
+        make_plan(gpu, scheme="bf16", weight_layout="panels")
+    p = make_plan(cpu, scheme="bf16", path="interpret", weight_memory=wide)
+    assert p.choice.interpret and not p.first_step and p.layout == "f32"
+    assert p.probe_formats == ("f32",) and not p.stacked and not p.cpu_attention
+    p = make_plan(cpu, scheme="scale4_gs32", weight_layout="device")
+    assert p.memory.mode == "stored" and "weight_layout='device'" in p.memory.reason
+
+
+def test_jax_starts_without_the_cuda_plugins_driver_lines():
+    """Without an NVIDIA driver, JAX's start through Kipp prints none of the CUDA plugin's
+    "Could not find cuda drivers" lines; anything else written to stderr meanwhile is kept."""
+    import subprocess
+    import sys
+
+    from kipp.cuda import startup
+
+    line = (b"I0000 00:00:1796139631.699815    6450 cudart_stub.cc:31] Could not find cuda "
+            b"drivers on your machine, GPU will not be used.\n")
+    noise = startup.ABSL_PREAMBLE + b"\n" + line
+    assert startup.drop_driver_lines(b"a\n" + noise + b"b\n" + noise) == b"a\nb\n"
+    assert startup.drop_driver_lines(startup.ABSL_PREAMBLE + b"\nreal\n") == (
+        startup.ABSL_PREAMBLE + b"\nreal\n")
+    if startup.nvidia_driver_present():
+        pytest.skip("a driver is present: the plugin's lines are news here")
+    code = ("import os, kipp.cuda.backend, jax; jax.devices()\n"
+            "from kipp.cuda import startup\n"
+            "with startup.without_driver_lines():\n"
+            f"    os.write(2, {noise!r} + b'kept\\n')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b"kept\n"
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "affine4_gs32"])

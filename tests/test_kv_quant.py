@@ -82,14 +82,14 @@ def test_kv_bytes_per_token():
 
 def test_jax_quantizer_is_bitwise_the_oracle():
     jnp = pytest.importorskip("jax.numpy")
-    from kipp.cuda import layout
+    from kipp.cuda import kvcache
 
     for x in (_rows(1, 256), _midpoint_rows()):
         q, d = kvquant.quantize(x)
-        jq, jd = (np.asarray(a) for a in layout.quantize_kv(jnp.asarray(x)))
+        jq, jd = (np.asarray(a) for a in kvcache.quantize_kv(jnp.asarray(x)))
         assert np.array_equal(jq, q)
         assert np.array_equal(jd.astype(np.float16).view(np.uint16), d.view(np.uint16))
-        got = np.asarray(layout.dequantize_kv(jnp.asarray(q), jnp.asarray(d)))
+        got = np.asarray(kvcache.dequantize_kv(jnp.asarray(q), jnp.asarray(d)))
         assert np.array_equal(got.view(np.uint32), kvquant.dequantize(q, d).view(np.uint32))
     # the midpoint rows are the hard case: float32 alone rounds some of their scales wrongly
     amax = np.abs(_midpoint_rows().reshape(-1, 4, 32)).max(-1)
@@ -204,7 +204,7 @@ def test_attention_kernels_on_q8_0_slabs(heads):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from kipp.cuda.layout import QuantizedKV
+    from kipp.cuda.kvcache import QuantizedKV
     from kipp.cuda.pallas.decode_attention import decode_attention, decode_attention_reference
     from kipp.cuda.pallas.prefill_attention import paged_attention_reference, prefill_attention
 
@@ -263,13 +263,13 @@ def test_q8_0_kv_kernels_lower_for_cuda(artifacts):
     import jax.numpy as jnp
     from jax import export
 
-    from kipp.cuda import forward, layout, rounds
+    from kipp.cuda import forward, kvcache, layout, rounds
 
     artifact = open_artifact(artifacts(UNTIED))
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     params = jax.tree.map(spec, layout.prepare_weights(artifact, "device"))
     slab = jax.tree.map(spec, jax.eval_shape(
-        lambda: layout.kv_zeros((BLOCKS, 32, 8, 128), "q8_0", "gpu")))
+        lambda: kvcache.kv_zeros((BLOCKS, 32, 8, 128), "q8_0", "gpu")))
     assert slab.q.dtype == jnp.int8 and slab.d.dtype == jnp.float16
     kv = tuple((slab, slab) for _ in artifact.weights.layers)
     rope = (jax.ShapeDtypeStruct((4096, 128), jnp.float32),) * 2

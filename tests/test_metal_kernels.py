@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 from metal_emulator import CompileError, Emulator, KernelFault, check_strict  # noqa: E402
 
 from kipp import gates  # noqa: E402
-from kipp.apple import attention, linear, repack  # noqa: E402
+from kipp.apple import attention, layout, linear, repack  # noqa: E402
 from kipp.apple.backend import MLXBackend  # noqa: E402
 from kipp.backend import EvalItem  # noqa: E402
 from kipp.errors import KippError  # noqa: E402
@@ -71,11 +71,11 @@ def _weights(fmt, rows, cols, seed=3):
     raw = quant.quantize(w.astype(np.float32), fmt)
     dense = quant.dequantize(raw, fmt, cols)
     if fmt == "bf16":
-        kernel = linear.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
-        return kernel, linear.twin_of(dense, "f32", cols), dense
+        kernel = layout.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
+        return kernel, layout.twin_of(dense, "f32", cols), dense
     p = repack.to_planes(raw, fmt, cols)
     planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
-    return linear.Linear(fmt, rows, cols, planes=planes), linear.twin_of(raw, fmt, cols), dense
+    return layout.Linear(fmt, rows, cols, planes=planes), layout.twin_of(raw, fmt, cols), dense
 
 
 @dataclass

@@ -19,7 +19,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from kipp import gates  # noqa: E402
-from kipp.apple import attention, linear, repack, select  # noqa: E402
+from kipp.apple import attention, layout, linear, repack, select  # noqa: E402
 from kipp.apple.backend import MLXBackend  # noqa: E402
 from kipp.apple.kvcache import dequantize_q8_0, quantize_q8_0  # noqa: E402
 from kipp.backend import (  # noqa: E402
@@ -217,7 +217,8 @@ def test_affine_repack_dequantizes_bitwise(scheme):
 
 @pytest.mark.parametrize("scheme", QUANTIZED)
 def test_kernel_planes_hold_the_artifact_bytes(scheme):
-    """The kernels' planes, decoded with the kernels' arithmetic, are kipp.formats.quant bit for bit."""
+    """The kernels' planes, decoded with the kernels' arithmetic, are kipp.formats.quant's bit
+    for bit."""
     w = _weights(seed=1)
     raw = quant.quantize(w, scheme)
     p = repack.to_planes(raw, scheme, w.shape[1])
@@ -404,12 +405,12 @@ def _planes(scheme, rows=64, cols=128):
     raw = quant.quantize(w.astype(np.float32), scheme)
     dense = quant.dequantize(raw, scheme, cols)
     if scheme == "bf16":
-        kernel = linear.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
-        return kernel, linear.twin_of(dense, "f32", cols), dense
+        kernel = layout.Linear("bf16", rows, cols, planes=(mx.array(raw.view("<u2")),))
+        return kernel, layout.twin_of(dense, "f32", cols), dense
     p = repack.to_planes(raw, scheme, cols)
     planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
-    kernel = linear.Linear(scheme, rows, cols, planes=planes)
-    return kernel, linear.twin_of(raw, scheme, cols), dense
+    kernel = layout.Linear(scheme, rows, cols, planes=planes)
+    return kernel, layout.twin_of(raw, scheme, cols), dense
 
 
 @pytest.mark.parametrize("fmt", linear.FORMATS)
@@ -418,11 +419,11 @@ def test_linear_twin_matches_the_numpy_dequantizer(fmt):
     from there) and over two row shards == x @ W^T on kipp.formats.quant's dequantized weights."""
     _, one, dense = _planes(fmt, rows=96, cols=256)
     if fmt == "bf16":
-        two = linear.twin_of(dense, "f32", 256, n_shards=2)
+        two = layout.twin_of(dense, "f32", 256, n_shards=2)
     else:
         raw = quant.quantize(dense, fmt)  # the dequantized weights are a fixed point
         assert np.array_equal(quant.dequantize(raw, fmt, 256), dense)
-        two = linear.twin_of(raw, fmt, 256, n_shards=2)
+        two = layout.twin_of(raw, fmt, 256, n_shards=2)
     assert len(one.shards) == 1 and len(two.shards) == 2
     for m in (1, linear.DEQUANTIZE_ROWS - 1, linear.DEQUANTIZE_ROWS, 45):
         x = np.random.default_rng(m).standard_normal((m, 256)).astype(np.float32)
@@ -443,13 +444,13 @@ def test_linear_kernel_arguments_are_checked_before_the_call(fmt):
         linear.matvec(mx.ones((2, 96)), w)
     with pytest.raises(linear.LinearError, match="at most"):
         linear.matvec(mx.ones((9, 128)), w)
-    broken = linear.Linear(fmt, 64, 128, planes=(w.planes[0].astype(mx.float32),) + w.planes[1:])
+    broken = layout.Linear(fmt, 64, 128, planes=(w.planes[0].astype(mx.float32),) + w.planes[1:])
     with pytest.raises(linear.LinearError, match="plane 0"):
         linear.matmul(x, broken)
     with pytest.raises(linear.LinearError, match="multiples"):
-        linear.check_call(mx.ones((2, 100)), linear.Linear(fmt, 64, 100, planes=w.planes))
+        linear.check_call(mx.ones((2, 100)), layout.Linear(fmt, 64, 100, planes=w.planes))
     with pytest.raises(linear.LinearError, match="twins"):
-        linear.matvec(x, linear.Linear("f32", 64, 128, shards=((mx.ones((128, 64)),),)))
+        linear.matvec(x, layout.Linear("f32", 64, 128, shards=((mx.ones((128, 64)),),)))
 
 
 def _kv(scheme, slots=96, seed=0):

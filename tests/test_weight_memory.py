@@ -72,7 +72,7 @@ def test_mlx_head_pages_go_as_they_are_copied(artifacts):
     mapped pages at once, so the file's copy of the head is never resident beside the twin's
     (planted: no release, the whole 74 MiB head resident by the last chunk)."""
     pytest.importorskip("mlx.core")
-    from kipp.apple import linear
+    from kipp.apple import layout
 
     artifact = open_artifact(artifacts(TINY, "bf16"))
     head = artifact.weights.output  # tied: the 151,936 x 256 embedding, 74 MiB
@@ -85,8 +85,8 @@ def test_mlx_head_pages_go_as_they_are_copied(artifacts):
         resident.append(_rss_file_kib() - base)  # this chunk still resident
         artifact.release_view(rows)
 
-    twin = linear.prepare_twin([head], 2, True, release)
-    chunk_kib = linear.CHUNK_ELEMENTS * 2 // 1024  # BF16 rows per chunk
+    twin = layout.prepare_twin([head], 2, True, release)
+    chunk_kib = layout.CHUNK_ELEMENTS * 2 // 1024  # BF16 rows per chunk
     assert len(resident) >= 8 and max(resident) < 2 * chunk_kib, (resident, chunk_kib)
     assert twin.rows == head.shape[0]
     artifact.release_view(np.zeros(4096))  # not the mapping's: nothing to drop
@@ -151,7 +151,7 @@ def test_mlx_planes_twin_is_the_numpy_dequantizer(fmt):
 def test_jax_weight_memory(artifacts, monkeypatch):
     pytest.importorskip("jax")
     from kipp.cuda.backend import LEAN_CPU_COMPILE, JaxBackend
-    from kipp.cuda.layout import float32_layout
+    from kipp.cuda.cpu import matmul as cpu_matmul
 
     artifact = open_artifact(artifacts(UNTIED, "bf16"))
     monkeypatch.setattr(memory, "weight_budget", lambda: 2**20)
@@ -160,7 +160,8 @@ def test_jax_weight_memory(artifacts, monkeypatch):
     _gate(ReferenceBackend(artifact, BLOCKS), stored)
     wide = JaxBackend(artifact, BLOCKS, weight_memory="float32")
     # float32 on one CPU device: Kipp's CPU matmul panels where it builds, else plain float32
-    assert wide.layout == float32_layout("cpu") and wide.weight_bytes > 1.9 * stored.weight_bytes
+    panels = "panels" if cpu_matmul.available()[0] else "f32"
+    assert wide.layout == panels and wide.weight_bytes > 1.9 * stored.weight_bytes
     # stored on a CPU compiles lean (test_jax_stored_steps_compile_lean_and_compute_the_same)
     assert stored.compiler_options == LEAN_CPU_COMPILE and wide.compiler_options == {}
     assert JaxBackend(artifact, 2, weight_layout="device").memory.mode == "stored"
@@ -305,14 +306,14 @@ def test_mlx_stored_twins_widen_one_chunk_at_a_time(monkeypatch):
     mx = pytest.importorskip("mlx.core")
     import ml_dtypes
 
-    from kipp.apple import linear
+    from kipp.apple import layout, linear
     from kipp.apple import probe as mlx_probe
 
     monkeypatch.setattr(linear, "CHUNK_ELEMENTS", 1 << 18)  # 1 MiB of float32 per chunk
     rows = (np.random.default_rng(0).standard_normal((32768, 256)) * 0.05).astype(np.float32)
-    stored = linear.twin_of(rows.astype(ml_dtypes.bfloat16), "bf16", 256)  # 32 MiB widened
+    stored = layout.twin_of(rows.astype(ml_dtypes.bfloat16), "bf16", 256)  # 32 MiB widened
     probe_planes = mlx_probe.probe_weight("q8_0", np.random.default_rng(0)).planes
-    planes = linear.Linear("q8_0", 64 * 512, 256, planes=tuple(  # the probe weight, 512 times
+    planes = layout.Linear("q8_0", 64 * 512, 256, planes=tuple(  # the probe weight, 512 times
         mx.array(np.tile(np.array(p), (512, 1))) for p in probe_planes))
     x = mx.array(np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32))
     mx.eval(x)

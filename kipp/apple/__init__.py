@@ -3,22 +3,15 @@
     from kipp.apple.backend import MLXBackend
     backend = MLXBackend(open_artifact(path), num_blocks)   # kipp.load(path, backend="mlx")
 
-Modules: backend (MLXBackend, make_backend), forward (one round's graph and the kernel/twin
-dispatcher), select (which path and why), repack (the artifact's quantized blocks as MLX affine
-group-32 arrays and as kernel planes, numpy), kvcache (the paged BF16 / q8_0 slab), and one file
-per kernel family with its Metal source, checked wrapper and MLX-op twin side by side: linear
-(decode matvec, prefill matmul) and attention (paged split-K decode attention); metal (who runs
-a kernel's Metal source: MLX, or an injected kernel runner).
-
-Where the kernels have been checked: off Apple hardware the tests run their exact MLX-generated
-source on the Metal emulator (tools/metal_emulator), under ASan, UBSan and TSan, against the
-twins and the numpy reference, and the whole model on them against the reference backend. That
-covers kernel logic, indexing, bounds, barriers and numerics up to the order of operations. What
-only a Mac shows (bench/mac_check.sh): that Apple's Metal compiler accepts the source, speed,
-fast-math and Apple's exact rounding.
-
-This package imports MLX only when its modules are imported, so `mlx_usable` can be asked on
-any machine.
+Modules: backend (MLXBackend), forward (one round's graph, the kernel/twin dispatcher), select
+(which path and why), layout (the projections prepared per path), repack (quantized blocks as
+MLX affine arrays and as kernel planes), kvcache (the paged BF16 / q8_0 slab), metal (who runs
+a kernel's Metal source), probe (the kernels' load-time checks), and one file per kernel family
+with its Metal source, checked wrapper and MLX-op twin: linear and attention. Off Apple hardware
+the tests run the kernels' exact source on the Metal emulator (tools/metal_emulator) under
+sanitizers, against the twins and the reference; only a Mac shows that Apple's compiler takes
+the source, its speed and its fast-math rounding (bench/mac_check.sh). This package imports MLX
+only when its modules are imported, so `mlx_usable` can be asked on any machine.
 """
 
 import platform

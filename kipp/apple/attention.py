@@ -1,26 +1,16 @@
 """Causal grouped-query attention over the paged KV slab: a Metal decode kernel and the MLX twin.
 
-Twin (every path's prefill, and decode without Metal): per piece of a round, gather the
-visible slots of the slab through the block table into dense [8, P, 128] float32 K and V, and
-run `mx.fast.scaled_dot_product_attention` with the "causal" mask, which MLX aligns lower-right
-(the last query sees the last key), exactly a piece that starts at position P - n. On Metal
-that is MLX's own fused attention kernel, which is why prefill attention has no Kipp kernel.
-
-Kernel `decode_attention` (Metal): one query token per sequence over its pages, split along the
-context (split-K, "flash decoding"): the grid is (32 lanes, G query heads of a KV head, S
-sequences x 8 KV heads x splits). A threadgroup is the G simdgroups sharing one KV head and one
-range of `blocks_per_split` KV blocks, so each K/V row it reads serves the whole group from
-cache. A lane holds 4 of the 128 dims; per position the score is a `simd_sum` of the lanes'
-partial dots, then an online-softmax update. Each simdgroup writes its range's unnormalised
-output with its running max and denominator (an empty range writes MASKED = -1e30, 0 and
-zeros: every output element is written); the wrapper merges the ranges exactly as the online
-softmax does. The mask value is finite so no step depends on IEEE infinities, which a
-fast-math compile need not honour.
-The seeds measured split-K as what pays on long contexts (decode 11.0 -> 13.0 tok/s at 1,981
-tokens). Positions resolve through the table per access: block_table[p / 32] * 32 + p % 32.
-Two variants share the body: BF16 KV (uint16 bits, widened exactly) and q8_0 KV (int8 q and
-fp16 d planes, d * q). Checked off Apple hardware on the Metal emulator (tests/
-test_metal_kernels.py: empty and partial splits, scrambled tables, GQA groups 2 and 5).
+Twin (every path's prefill, and decode without Metal): per piece of a round, gather the visible
+slots through the block table into dense [8, P, 128] float32 K and V and run
+`mx.fast.scaled_dot_product_attention` with the "causal" mask, which MLX aligns lower-right
+(the last query sees the last key). On Metal that is MLX's own fused kernel, so prefill has no
+Kipp kernel. Kernel `decode_attention` (Metal): one query per sequence, split along the context
+(split-K, "flash decoding"), which is what pays on long contexts: grid (32 lanes, G query heads
+of a KV head, S sequences x 8 KV heads x splits); a threadgroup is the G simdgroups sharing one
+KV head and one range of `blocks_per_split` blocks, so each K/V row serves the whole group. A
+lane holds 4 of the 128 dims; each simdgroup writes its range's unnormalised output, running
+max and denominator, and the wrapper merges the ranges as the online softmax does. Variants:
+BF16 KV (uint16 bits) and q8_0 KV (int8 q and fp16 d planes, d * q).
 """
 
 from __future__ import annotations
@@ -44,17 +34,13 @@ class AttentionError(KippError, ValueError):
     """A kernel call with arrays of the wrong shape or dtype; nothing ran."""
 
 
-# ---- twin --------------------------------------------------------------------------------
-
 
 def attention_twin(q: mx.array, keys: mx.array, values: mx.array, streams=(None,)) -> mx.array:
     """q [n, H, 128] (the last n of P positions); keys, values [P, 8, 128] -> [n, H * 128].
 
     With several CPU streams the KV heads are split into contiguous ranges, one per stream
     (a KV head and its G query heads stay together), each its own SDPA call: the same
-    per-head arithmetic, so bitwise the one-call result, on every core. Measured on this
-    2-core box, 16 query heads: 512 queries over 512 positions 799 -> 460 ms, one decode
-    query over 640 positions 9.5 -> 5.3 ms."""
+    per-head arithmetic, so bitwise the one-call result, on every core."""
     n, heads = q.shape[0], q.shape[1]
     group = heads // KV_HEADS
     bounds = [(KV_HEADS * i // len(streams), KV_HEADS * (i + 1) // len(streams))
@@ -71,8 +57,6 @@ def attention_twin(q: mx.array, keys: mx.array, values: mx.array, streams=(None,
             outs.append(out[0].transpose(1, 0, 2).reshape(n, -1))  # [n, (hi - lo) G * 128]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
-
-# ---- kernel ------------------------------------------------------------------------------
 
 _LOAD_ROW = {
     # 4 consecutive dims of one head-row: `row` is (slot * 8 + kv head), `dim` the first dim

@@ -7,19 +7,12 @@
     [logits] = backend.eval([EvalItem((9707, 11, 1879), 0, (5, 2))])
 
 At load the path is chosen once (kipp.apple.select; an injected `kernel_runner`,
-kipp.apple.metal, means the kernel path). On the kernel path every Metal kernel variant the
-checkpoint uses is first probed against its twin (kipp.apple.probe, kipp.probe), run by that
-same runner (MLX on a Mac; the Metal emulator or a test's failing kernel here): one that fails
-to compile, raises or disagrees is replaced by its twin, per kernel, with a warning, and
-`describe()` / `kernel_report()` name it (fallback=False or KIPP_KERNEL_FALLBACK=0 raise
-instead). The weights are prepared once in the path's layout (kipp.apple.linear): the artifact's
-own planes for the kernels (and for the twins replacing a failed kernel); for the twin path
-float32 or stored BF16 as `weight_memory` decides (kipp.memory: stored on a GPU; float32 on a
-CPU when it fits the budget), MLX's affine repack for quantized projections. The KV slab is
-allocated once (kipp.apple.kvcache, BF16 or q8_0). `eval` splits the items into rounds
-(kipp.engine.rounds: one piece of each item per round, at most `max_round_tokens` tokens), builds one
-lazy MLX graph per round, evaluates the requested logits rows together with the slab, and copies
-the logits to numpy.
+kipp.apple.metal, means the kernel path). There every Metal kernel variant the checkpoint uses
+is probed against its twin, run by that same runner (kipp.apple.probe); one that fails is
+replaced by its twin with a warning (fallback=False or KIPP_KERNEL_FALLBACK=0 raise instead).
+The weights are prepared once in the path's layout (kipp.apple.layout) and the KV slab
+allocated once (kipp.apple.kvcache). `eval` splits the items into rounds (kipp.engine.rounds),
+builds one lazy MLX graph per round, and evaluates the requested logits with the slab.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ from kipp.rope import rope_tables
 try:  # kipp.model imports make_backend on any machine; MLX itself may be missing
     import mlx.core as mx
 
-    from kipp.apple import forward, linear
+    from kipp.apple import forward, layout
     from kipp.apple.kvcache import KVSlab
 except ImportError as e:
     _MLX_MISSING: ImportError | None = e
@@ -222,11 +215,11 @@ def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool) -> 
     layers = []
     for layer in w.layers:
         if kernels:
-            params = {name: linear.prepare(getattr(layer, name), True) for name in PROJECTIONS}
+            params = {name: layout.prepare(getattr(layer, name), True) for name in PROJECTIONS}
         else:
-            params = {"qkv": linear.prepare_twin([layer.q, layer.k, layer.v], n_shards, stored),
-                      "o": linear.prepare_twin([layer.o], n_shards, stored),
-                      "ffn": linear.prepare_ffn_twin(layer.gate, layer.up, layer.down, n_shards,
+            params = {"qkv": layout.prepare_twin([layer.q, layer.k, layer.v], n_shards, stored),
+                      "o": layout.prepare_twin([layer.o], n_shards, stored),
+                      "ffn": layout.prepare_ffn_twin(layer.gate, layer.up, layer.down, n_shards,
                                                      stored)}
         params.update({name: mx.array(getattr(layer, name).f32()) for name in NORMS})
         mx.eval([a for value in params.values()
@@ -234,8 +227,8 @@ def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool) -> 
         artifact.release(*(getattr(layer, name) for name in PROJECTIONS))
         layers.append(params)
     # the head is the largest tensor (the 0.6B's: 297 MiB): its rows' pages go as copied
-    head = (linear.prepare(w.output, True) if kernels else
-            linear.prepare_twin([w.output], n_shards, stored, artifact.release_view))
+    head = (layout.prepare(w.output, True) if kernels else
+            layout.prepare_twin([w.output], n_shards, stored, artifact.release_view))
     weights = forward.Weights(layers, mx.array(w.output_norm.f32()), head)
     mx.eval(_arrays(weights))
     artifact.release(w.output)

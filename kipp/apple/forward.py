@@ -22,7 +22,7 @@ import numpy as np
 
 from kipp.apple import attention, linear
 from kipp.apple.kvcache import KVSlab
-from kipp.apple.linear import Linear
+from kipp.apple.layout import Linear
 from kipp.formats.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS
 
 

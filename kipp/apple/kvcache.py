@@ -9,8 +9,8 @@ Per layer, K and V are each one MLX array over the physical slots (block * 32 + 
 
 A store is `slab[slots] = rows`: MLX turns it into a scatter that reuses the slab's buffer when
 nothing else holds it (the backend evaluates every slab after each round, so the graph never
-grows), measured at 0.03 ms for one row of a 268 MB slab. Reads gather the visible slots, so a
-scrambled block table reads the same values in the same order as the identity table.
+grows). Reads gather the visible slots, so a scrambled block table reads the same values in the
+same order as the identity table.
 """
 
 from __future__ import annotations

@@ -1,249 +1,36 @@
 """y = x @ W^T for every prepared weight format: two Metal kernels, their MLX-op twin, a dispatcher.
 
-`x` is float32 [M, K]; W [N, K] is one prepared projection (`Linear`). Output float32 [M, N].
-
-Twin (no Metal, KIPP_MLX_TWINS=1, or a kernel that failed its probe at load): three layouts.
-- float32 (weight_memory "float32", a CPU's default when the copy fits; kipp.memory): BF16
-  widened once at load (exact), stored transposed, W^T [K, N] contiguous, one `mx.matmul`.
-- stored (weight_memory "stored", and always on a GPU): BF16 kept as BF16 W^T, widened to
-  float32 one chunk of CHUNK_ELEMENTS weights at a time inside the matmul (exact, and the
-  transient is one chunk, never a copy of the weight). MLX's own promotion of a BF16 operand
-  widens the whole weight per call: the 151,936-row head at 0.6B is a 622 MB transient.
-- quantized schemes, in both modes: `mx.quantized_matmul` on the affine repack
-  (kipp.apple.repack), never widened in memory.
-And `planes_twin`, the per-kernel fallback on Metal: the same product read from the kernels'
-own planes (dequantized per chunk), so a kernel that fails its probe costs no second copy.
-Measured on this 2-core box, [3072, 1024]:
-- Transposed storage: the Linux wheel's CPU matmul is the reference BLAS, whose sgemm walks B
-  with a unit stride only when B is not transposed. One stream, x @ W.T 3.9 ms vs x @ W^T
-  stored 2.1 ms at one token; 495 ms vs 227 ms at 128 tokens.
-- Quantized, from DEQUANTIZE_ROWS tokens on the CPU (prefill, batched decode): MLX's CPU
-  quantized matmul costs one matvec per token (8-bit, 128 tokens: 405 ms), so the shard is
-  dequantized transiently and multiplied as W @ x^T by the BLAS (220-250 ms; at 8 tokens 22
-  vs 29 ms). On a GPU the quantized matmul stays.
-- CPU streams, each its own thread: the BLAS runs one thread, so the work is split over MLX
-  CPU streams to put the other cores to work (the matvec above: 2.7 ms on one stream, 1.4 ms
-  on two). Q, K and V are one stacked weight split by rows (one matmul per stream), O and the
-  head likewise, each stream's rows concatenated after; the feed-forward block is split
-  tensor-parallel (`SplitFFN`): a stream runs its share of the intermediate dims through gate,
-  up, SiLU and down, and the streams meet once to add.
-- Why float32 when it fits, on the CPU: MLX promotes a BF16 weight to float32 for a float32
-  activation, a full copy per call (the 151,936-row head, one stream, one token: 600 ms that
-  way, against 89 ms for the stored float32 W^T). The stored twin pays the widening per
-  chunk instead: bench/README.md has its decode speed and peak RSS at the 0.6B shape.
-
-Kernels (Metal; the artifact's own bytes, kipp.apple.repack's planes; BF16 stays BF16):
-- `matvec` for decode (M <= MATVEC_ROWS): one simdgroup per output row, each lane walks the
-  row's 32-weight blocks (lane, lane + 32, ...), dequantizes a block into registers once and
-  uses it for all M activation rows; `simd_sum` reduces the lanes. Adjacent lanes read adjacent
-  blocks, so a simdgroup streams one contiguous run of the row. The seeds measured this kind of
-  decode as byte-bound (vectorising the dequant loop did not pay), so it stays scalar and
-  simple.
-- `matmul` for prefill: a 32-token x 32-output tile per threadgroup of 4 simdgroups (each a
-  16 x 16 quarter as 2 x 2 simdgroup_float8x8 accumulators). Per 32-wide K step the X tile and
-  the dequantized W tile are staged in threadgroup memory (8 KiB), so each weight block is
-  dequantized once per 32-token tile (the seeds' rule for quantized prefill). FP32 accumulate.
-  Tokens are padded to a multiple of 32 by the wrapper (zero rows), so every output element
-  is written: nothing relies on uninitialised memory.
-Dequantization is kipp.formats.quant's arithmetic (d * q exact; affine4 d * q + m, one rounding).
-The kernels are built once per format (kipp.apple.metal's cache) and specialised by template
-constants (M, N, K), which MLX compiles once per value. Checked off Apple hardware by running
-their exact source on the Metal emulator (tests/test_metal_kernels.py; what that proves and
-what it cannot: the package docstring).
+`x` is float32 [M, K]; W [N, K] is one prepared projection (kipp.apple.layout.Linear). Output
+float32 [M, N]. Twins (no Metal, KIPP_MLX_TWINS=1, or a kernel that failed its probe): one
+matmul per shard, each on its CPU stream (`linear_twin`, `ffn_twin`), and `planes_twin`, the
+same product read from the kernels' own planes. Kernels (Metal), on the artifact's own bytes:
+- `matvec` for decode (M <= MATVEC_ROWS): one simdgroup per output row; each lane walks the
+  row's 32-weight blocks (lane, lane + 32, ...), dequantizes a block into registers once for
+  all M rows, and `simd_sum` reduces the lanes. Decode is byte-bound: it stays scalar.
+- `matmul` for prefill: a 32-token x 32-output tile per threadgroup of 4 simdgroups (2 x 2
+  simdgroup_float8x8 accumulators each), X and the dequantized W staged in threadgroup memory
+  per 32-wide K step, so each weight block is dequantized once per tile; tokens padded to 32.
+Dequantization is kipp.formats.quant's arithmetic (d * q exact; affine4 d * q + m, one
+rounding). Off Apple hardware the kernels' exact source runs on the Metal emulator
+(tests/test_metal_kernels.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
-import numpy as np
 
 from kipp.apple import metal, repack
-from kipp.errors import KippError
-from kipp.formats.artifact import Tensor
-from kipp.formats.quant import BLOCK, GGML_BF16, GGML_F32, SCHEMES_BY_GGML_TYPE
+from kipp.apple.layout import CHUNK_ELEMENTS, Linear, LinearError, SplitFFN
+from kipp.formats.quant import BLOCK
 
 DEQUANTIZE_ROWS = 8  # twin: from this many tokens, dequantize a shard for one BLAS matmul
-CHUNK_ELEMENTS = 1 << 22  # stored twins widen this many weights at a time (16 MiB of float32)
 MATVEC_ROWS = 8  # decode rounds up to this many tokens use the matvec kernel
 MATVEC_ROWS_PER_GROUP = 4  # simdgroups (output rows) per threadgroup
 TILE = 32  # matmul tile: tokens and outputs per threadgroup
 FORMATS = ("bf16", "q8_0", "scale4_gs32", "affine4_gs32")
-
-
-class LinearError(KippError, ValueError):
-    """A kernel call with arrays of the wrong shape or dtype; nothing ran."""
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One prepared projection W [rows, cols] for one path.
-
-    fmt: "f32" (twin, widened BF16), "bf16" (kernel planes, or stored twin shards), or a
-      quantized scheme.
-    shards (twin): per CPU stream, (w^T,) float32 or bfloat16 [cols, rows_s], or (w, scales,
-      biases) MLX affine [rows_s, ...]; the rows of W split over the shards.
-    planes (kernel): (w,) BF16 bits uint16 [rows, cols]; (q, d) or (q, d, m) (repack.Planes).
-    """
-
-    fmt: str
-    rows: int
-    cols: int
-    shards: tuple = ()
-    planes: tuple = ()
-
-    def arrays(self) -> list:
-        return [a for shard in self.shards for a in shard] + list(self.planes)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
-
-
-@dataclass(frozen=True)
-class SplitFFN:
-    """The twins' feed-forward block, tensor-parallel over the CPU streams: shard s holds its
-    share of gate's and up's rows stacked ([2 I_s, hidden], one matmul) and the matching
-    columns of down ([hidden, I_s]), so a stream runs its whole share of the block and the
-    streams meet once, to add the partial outputs."""
-
-    gate_up: tuple  # per shard: a one-shard Linear [2 * I_s, hidden]
-    down: tuple  # per shard: a one-shard Linear [hidden, I_s]
-
-    def arrays(self) -> list:
-        return [a for lin in self.gate_up + self.down for a in lin.arrays()]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
-
-
-def prepare(t: Tensor, kernels: bool, n_shards: int = 1) -> Linear:
-    """A projection tensor of the artifact in the path's layout (module docstring)."""
-    rows, cols = t.shape
-    if not kernels:
-        return prepare_twin([t], n_shards)
-    if t.ggml_type == GGML_BF16:
-        bits = np.ascontiguousarray(t.bf16().view(np.uint16))
-        return Linear("bf16", rows, cols, planes=(mx.array(bits),))
-    if t.ggml_type == GGML_F32:
-        raise LinearError(f"{t.name}: the kernels take BF16 or quantized projections")
-    scheme = SCHEMES_BY_GGML_TYPE[t.ggml_type]
-    p = repack.to_planes(t.quantized_rows(0, rows), scheme, cols)
-    planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
-    return Linear(scheme.name, rows, cols, planes=planes)
-
-
-def prepare_twin(tensors: list[Tensor], n_shards: int = 1, stored: bool = False,
-                 release: Callable[[np.ndarray], None] | None = None) -> Linear:
-    """The twins' layout of `tensors` stacked by rows (one matmul for Q, K and V), split into
-    `n_shards` row shards: float32 (BF16 widened, exact), BF16 as stored (`stored`), or the MLX
-    affine repack. `release(rows)` (Artifact.release_view) is called on the rows of the
-    artifact's mapping as soon as they are copied."""
-    fmt = _twin_format(tensors[0], stored)
-    parts = [_twin_rows(t, fmt) for t in tensors]
-    stacked = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return twin_of(stacked, fmt, tensors[0].shape[1], n_shards, release)
-
-
-def twin_of(rows: np.ndarray, fmt: str, cols: int, n_shards: int = 1,
-            release: Callable[[np.ndarray], None] | None = None) -> Linear:
-    """The twin Linear of W [len(rows), cols] given as float32 or BF16 (ml_dtypes) rows (fmt
-    "f32": held as float32; "bf16": held as BF16) or a scheme's quantized row bytes [rows,
-    row_bytes], its rows split into `n_shards` shards; `release` as in prepare_twin."""
-    release = release or (lambda rows: None)
-    shards = tuple(_twin_shard(part, fmt, cols, release) for part in _split(rows, n_shards))
-    return Linear(fmt, len(rows), cols, shards=shards)
-
-
-def prepare_ffn_twin(gate: Tensor, up: Tensor, down: Tensor, n_shards: int,
-                     stored: bool = False) -> SplitFFN:
-    """The feed-forward block as SplitFFN: intermediate dims split in n_shards ranges."""
-    fmt, inter = _twin_format(gate, stored), gate.shape[0]
-    g, u, d = (_twin_rows(t, fmt) for t in (gate, up, down))
-    gate_up, downs = [], []
-    for lo, hi in _bounds(inter, n_shards):
-        gate_up.append(twin_of(np.concatenate([g[lo:hi], u[lo:hi]]), fmt, gate.shape[1]))
-        columns = d[:, lo:hi] if fmt in ("f32", "bf16") else d[:, _byte_range(down, lo, hi)]
-        downs.append(twin_of(np.ascontiguousarray(columns), fmt, hi - lo))
-    return SplitFFN(tuple(gate_up), tuple(downs))
-
-
-def _twin_format(t: Tensor, stored: bool = False) -> str:
-    if t.ggml_type == GGML_BF16 and stored:
-        return "bf16"
-    if t.ggml_type in (GGML_BF16, GGML_F32):
-        return "f32"
-    return SCHEMES_BY_GGML_TYPE[t.ggml_type].name
-
-
-def _twin_rows(t: Tensor, fmt: str) -> np.ndarray:
-    """The rows as stored: BF16 (widened to float32 per chunk by _transposed, fmt "f32") or
-    float32, or the quantized rows' bytes [rows, row_bytes]; views of the mapping, never
-    copies."""
-    if fmt == "f32" and t.ggml_type == GGML_F32:
-        return t.f32()
-    return t.bf16() if fmt in ("f32", "bf16") else t.quantized_rows(0, t.shape[0])
-
-
-def _byte_range(t: Tensor, lo: int, hi: int) -> slice:
-    """The bytes of columns [lo, hi) (multiples of 32) in each quantized row of `t`."""
-    block_bytes = SCHEMES_BY_GGML_TYPE[t.ggml_type].block_bytes
-    return slice(lo // BLOCK * block_bytes, hi // BLOCK * block_bytes)
-
-
-def _twin_shard(rows: np.ndarray, fmt: str, cols: int,
-                release: Callable[[np.ndarray], None]) -> tuple:
-    if fmt in ("f32", "bf16"):
-        return (_transposed(rows, fmt, release),)
-    a = repack.to_affine(rows, fmt, cols)
-    shard = (mx.array(a.w), mx.array(a.scales), mx.array(a.biases))
-    mx.eval(shard)
-    release(rows)
-    return shard
-
-
-def _transposed(rows: np.ndarray, fmt: str, release: Callable[[np.ndarray], None]) -> mx.array:
-    """W^T [cols, n] from BF16 (or float32) rows [n, cols], as float32 (fmt "f32", widened
-    exactly) or BF16: filled in place CHUNK_ELEMENTS at a time, each chunk's mapped rows
-    released once copied. A whole transposed or widened copy beside the array, or the whole of
-    the file's rows resident beside it, would double the shard at load (the 0.6B head: 297 MiB
-    of BF16 rows, 594 MiB widened). BF16 bits travel as uint16 (numpy's bfloat16 is not
-    MLX's)."""
-    n, cols = rows.shape
-    out = mx.zeros((cols, n), mx.float32 if fmt == "f32" else mx.bfloat16)
-    step = max(1, CHUNK_ELEMENTS // cols)
-    for r in range(0, n, step):
-        if fmt == "f32":
-            piece = mx.array(np.ascontiguousarray(rows[r:r + step].T, np.float32))
-        else:
-            bits = np.ascontiguousarray(rows[r:r + step].T).view(np.uint16)
-            piece = mx.array(bits).view(mx.bfloat16)
-        out[:, r:r + step] = piece
-        mx.eval(out)  # the slab's buffer is reused: nothing else holds it
-        release(rows[r:r + step])
-    return out
-
-
-def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges splitting n into `parts`, each a multiple of 32 where possible."""
-    if parts <= 1 or n < 2 * BLOCK:
-        return [(0, n)]
-    edges = [round(n * i / parts / BLOCK) * BLOCK for i in range(parts + 1)]
-    edges[-1] = n
-    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
-
-
-def _split(a: np.ndarray, n: int) -> list[np.ndarray]:
-    """Row shards (see _bounds)."""
-    return [a[lo:hi] for lo, hi in _bounds(len(a), n)]
-
-
-# ---- twin --------------------------------------------------------------------------------
 
 
 def linear_twin(x: mx.array, w: Linear, streams=(None,)) -> mx.array:
@@ -280,6 +67,8 @@ def _shard_matmul(x: mx.array, shard: tuple, fmt: str, stream) -> mx.array:
             return _chunked(x, shard[0])
         q, scales, biases = shard
         bits = repack.BITS[fmt]
+        # MLX's CPU quantized matmul costs one matvec per token: from DEQUANTIZE_ROWS tokens the
+        # BLAS multiplies a transiently dequantized shard faster (a GPU keeps the quantized one)
         if x.shape[0] < DEQUANTIZE_ROWS or not _on_cpu(stream):
             return mx.quantized_matmul(x, q, scales, biases, transpose=True, group_size=BLOCK,
                                        bits=bits)
@@ -297,8 +86,9 @@ def _chunked(x: mx.array, wt: mx.array) -> mx.array:
 
 def planes_twin(x: mx.array, w: Linear) -> mx.array:
     """The twin of the matvec and matmul kernels, on their own planes: x [M, K] float32 @ W^T
-    -> [M, N] float32, W's rows dequantized (kipp.formats.quant's arithmetic) CHUNK_ELEMENTS weights at
-    a time. A kernel that fails its probe is replaced by this, with no second weight copy."""
+    -> [M, N] float32, W's rows dequantized (kipp.formats.quant's arithmetic) CHUNK_ELEMENTS
+    weights at a time. A kernel that fails its probe is replaced by this, with no second weight
+    copy."""
     step = max(1, CHUNK_ELEMENTS // w.cols)
     return _in_order(x, [lambda r=r: _plane_rows(w, r, min(r + step, w.rows))
                          for r in range(0, w.rows, step)], transposed=True)
@@ -308,9 +98,8 @@ def _in_order(x: mx.array, chunks: list, transposed: bool) -> mx.array:
     """x @ each widened chunk (chunk^T when `transposed`), concatenated. Each widened chunk
     gets a +0.0 computed from the previous product (from x for the first) added: left free,
     MLX evaluates every widening of the graph before the products that use them (a BF16 head
-    at 0.6B: 622 MB of float32 at once, peak RSS +430 MB in a prefill); tied this way, one chunk
-    is float32 at a time, and only once its layer runs (measured: no rise over the load peak).
-    `mx.depends` on the chunk's source did not hold the peak (+200 MB)."""
+    widened whole); tied this way, one chunk is float32 at a time, and only once its layer runs.
+    (`mx.depends` on the chunk's source did not hold the peak down.)"""
     outs, after = [], x
     for chunk in chunks:
         wide = chunk() + _zero(after)
@@ -351,8 +140,6 @@ def on_stream(stream):
     """A context running ops on `stream` (None: leave the default stream)."""
     return mx.stream(stream) if stream is not None else contextlib.nullcontext()
 
-
-# ---- kernels -----------------------------------------------------------------------------
 
 HEADER = """
 #include <metal_simdgroup_matrix>

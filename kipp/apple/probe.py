@@ -2,25 +2,12 @@
 on a small input against the twin that would replace it (kipp.probe runs and judges them).
 
 Variants: the decode matvec and the prefill matmul in the artifact's weight format and in BF16
-(the output head is always BF16), and the decode attention kernel for the KV scheme. Inputs are
-seeded random weights (quantized by kipp.formats.quant, so the kernel reads exactly the format it
-meets in the artifact), activations and KV rows; shapes are small (64 x 256 weights, 3 and 40
-tokens: one partial 32-token tile past a full one; two sequences of 40 and 9 positions over a
-scrambled block table) so all of it costs well under a second on a GPU. The twin is the one
-the backend would run instead: `linear.planes_twin` on the same planes, and the gathered-page
-`attention.attention_twin` on the same slab.
-
-The kernels are reached the way the model reaches them (`linear.matvec` / `linear.matmul` /
-`attention.decode_attention` with the backend's kernel runner, kipp.apple.metal), so whatever
-runs the Metal source there (MLX on a Mac; the Metal emulator or a test's failing kernel
-here) is what gets probed.
-
-Bound: NMSE 1e-7. Kernel and twin compute the same float32 products from bitwise the same
-weights; only the summation order (and Metal's fast-math exp) differs, which puts them near
-1e-13 (measured here with float64 numpy standing in for the kernels: at most 1.3e-13
-over every format, both KV schemes, 16 and 40 heads, three seeds). A fault
-of the kind kernels have (a wrong scale, a stale tile, an index off by one) moves NMSE by
-1e-4 and more: a 1% scale error alone is 1e-4.
+(the head), and decode attention for the KV scheme. Inputs are seeded and small (64 x 256
+weights quantized by kipp.formats.quant; 3 and 40 tokens: a partial 32-token tile past a full
+one; two sequences of 40 and 9 positions over a scrambled block table). The kernels are reached
+the way the model reaches them, with the backend's kernel runner (kipp.apple.metal), so
+whatever runs the Metal source there is what gets probed; the twins are the ones the backend
+would run instead (`linear.planes_twin`, `attention.attention_twin`).
 """
 
 from __future__ import annotations
@@ -28,13 +15,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kipp.apple import attention, linear, repack
+from kipp.apple import attention, layout, linear, repack
 from kipp.apple.kvcache import KVSlab
 from kipp.backend import KV_BLOCK
 from kipp.formats import quant
 from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.probe import Probe
 
+# Kernel and twin compute the same float32 products from the same weights in another order
+# (and Metal's fast-math exp): NMSE near 1e-13; a kernel's kind of fault (a wrong scale, a stale
+# tile, an index off by one) moves it by 1e-4 and more.
 BOUND = 1e-7
 ROWS, COLS = 64, 256  # probe weight [N, K]: two 32-output tiles, eight 32-weight blocks
 TOKENS = {"matvec": 3, "matmul": 40}
@@ -66,14 +56,14 @@ def sources(scheme: str, kv_scheme: str) -> tuple:
                  for kind in ("matvec", "matmul")) + (attention.kernel_spec(kv_scheme),)
 
 
-def probe_weight(fmt: str, rng) -> linear.Linear:
-    """A seeded [ROWS, COLS] weight in `fmt`, as the kernels' planes (kipp.formats.quant's bytes)."""
+def probe_weight(fmt: str, rng) -> layout.Linear:
+    """A seeded [ROWS, COLS] weight in `fmt`, as the kernels' planes (quant's bytes)."""
     raw = quant.quantize((rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32), fmt)
     if fmt == "bf16":
-        return linear.Linear(fmt, ROWS, COLS, planes=(mx.array(raw.view("<u2")),))
+        return layout.Linear(fmt, ROWS, COLS, planes=(mx.array(raw.view("<u2")),))
     p = repack.to_planes(raw, fmt, COLS)
     planes = tuple(mx.array(a) for a in (p.q, p.d, p.m) if a is not None)
-    return linear.Linear(fmt, ROWS, COLS, planes=planes)
+    return layout.Linear(fmt, ROWS, COLS, planes=planes)
 
 
 def _attention_probe(kv_scheme: str, query_heads: int, rng, runner) -> Probe:

@@ -1,35 +1,17 @@
 """Kipp's quantized blocks rearranged, once at load and in numpy, for MLX's two consumers.
 
-Both layouts are exact images of the artifact's values; nothing is widened to float.
+Both are exact images of the artifact's values; nothing is widened to float.
+- MLX affine, group 32 (the twins' `mx.quantized_matmul`): w = scale * q + bias per 32-weight
+  group, q unsigned, packed little-endian into uint32 words (`to_affine`):
 
-**MLX affine, group 32** (the twins' `mx.quantized_matmul`). MLX decodes w = scale * q + bias
-per 32-weight group, q unsigned and packed little-endian into uint32 words (8-bit: four per
-word; 4-bit: eight per word, element 0 in the lowest bits). Each Kipp scheme is that form:
+  | scheme       | stored                 | MLX q        | scale | bias   |
+  | ------------ | ---------------------- | ------------ | ----- | ------ |
+  | q8_0         | int8 q, w = d q        | q + 128      | d     | -128 d |
+  | scale4_gs32  | nibble q, w = d (q-8)  | q            | d     | -8 d   |
+  | affine4_gs32 | nibble q, w = d q + m  | q            | d     | m      |
 
-| scheme       | stored                 | MLX q        | scale | bias   |
-| ------------ | ---------------------- | ------------ | ----- | ------ |
-| q8_0         | int8 q, w = d q        | q + 128      | d     | -128 d |
-| scale4_gs32  | nibble q, w = d (q-8)  | q            | d     | -8 d   |
-| affine4_gs32 | nibble q, w = d q + m  | q            | d     | m      |
-
-Scales and biases are float32, not fp16 or bf16. The fp16 d and m widen to float32 exactly and
--128 d and -8 d are exact there (a power-of-two multiple), while an fp16 -128 d overflows for
-d > 511 and bf16 would drop 3 of d's 11 significant bits. In float32 MLX's decode is exact:
-d * (q + 128) is an exact product (11 x 9 significant bits) and adding -128 d then gives
-d * q exactly (it is representable, and the sum of two exact values that is representable is
-exact); the same for scale4. affine4 is an exact product and one rounded add, as kipp.formats.quant
-decodes it. So `mx.dequantize` of the repack equals `kipp.formats.quant.dequantize` bit for bit, with
-one exception that is not a difference in value: where scale4's d < 0 and q = 8, kipp.formats.quant's
-d * (q - 8) is -0.0 while MLX's 8 d + (-8 d) is +0.0 (an IEEE sum of opposites is +0).
-Float32 scales are also what runs fast on the CPU wheel (measured, [3072, 1024] matvec: 3.3 ms
-with float32 scales against 28 ms bf16 and 114 ms fp16).
-
-**Kernel planes** (the Metal kernels). The artifact's own bytes, split into aligned planes so a
-SIMD lane loads whole fields: q8_0 -> int8 q [out, in]; the 4-bit schemes -> uint8 nibbles
-[out, in / 2] in GGML order (byte j of a block: element j low, j + 16 high); fp16 d (and
-affine4's m) [out, in / 32] carried as uint16 bits. The same 34 / 18 / 20 bytes per 32 weights
-as the file: decode streams exactly what the artifact stores (the seeds measured decode to be
-byte-bound), where the affine repack would stream 40 / 24 bytes.
+- Kernel planes (the Metal kernels, `to_planes`): the artifact's own bytes in aligned planes,
+  so decode streams exactly the 34 / 18 / 20 bytes per 32 weights the file stores.
 """
 
 from __future__ import annotations
@@ -92,7 +74,15 @@ def _levels(blocks: np.ndarray, scheme: WeightScheme) -> np.ndarray:
 
 
 def to_affine(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Affine:
-    """GGML rows of a quantized scheme -> MLX affine group-32 arrays (module docstring)."""
+    """GGML rows of a quantized scheme -> MLX affine group-32 arrays (the module's table).
+
+    Scales and biases are float32 (also what the CPU wheel runs fast): fp16 d and m widen to it
+    exactly and -128 d, -8 d are exact there, while an fp16 -128 d overflows for d > 511 and
+    bf16 would drop 3 of d's 11 significant bits. MLX's decode is then exact: d * (q + 128) is
+    an exact product (11 x 9 bits) and adding -128 d gives d * q exactly (a representable sum
+    of exact values); the same for scale4; affine4 is an exact product and one rounded add, as
+    kipp.formats.quant decodes it. So `mx.dequantize` of the repack is kipp.formats.quant's
+    dequantize bit for bit, but for scale4's d < 0, q = 8: -0.0 there, +0.0 here (equal)."""
     s = _scheme(scheme)
     blocks = _blocks(raw, s, cols)
     rows = len(blocks)
@@ -111,7 +101,10 @@ def to_affine(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Affine:
 
 
 def to_planes(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Planes:
-    """GGML rows of a quantized scheme -> the Metal kernels' planes (module docstring)."""
+    """GGML rows of a quantized scheme -> the Metal kernels' planes, split so a SIMD lane loads
+    whole fields: q8_0 -> int8 q [out, in]; the 4-bit schemes -> uint8 nibbles [out, in / 2] in
+    GGML order (byte j of a block: element j low, j + 16 high); fp16 d (and affine4's m)
+    [out, in / 32] as uint16 bits. (The affine repack would stream 40 / 24 bytes per 32.)"""
     s = _scheme(scheme)
     blocks = _blocks(raw, s, cols)
     rows = len(blocks)
@@ -126,8 +119,8 @@ def to_planes(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> Planes:
 
 
 def dequantize_planes(p: Planes) -> np.ndarray:
-    """float32 [out, in] from kernel planes, with kipp.formats.quant's arithmetic: the numpy statement
-    of what the Metal kernels compute per weight (tests compare it with kipp.formats.quant)."""
+    """float32 [out, in] from kernel planes, with kipp.formats.quant's arithmetic: the numpy
+    statement of what the Metal kernels compute per weight (tests compare it with quant's)."""
     d = p.d.view(np.float16).astype(np.float32)[..., None]  # [out, blocks, 1]
     rows = len(p.q)
     if p.scheme == "q8_0":

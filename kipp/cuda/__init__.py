@@ -3,39 +3,22 @@
     from kipp.cuda.backend import JaxBackend
     backend = JaxBackend(open_artifact(path), num_blocks)   # kipp.load(path, backend="jax")
 
-Modules: backend (JaxBackend), forward (the jitted step), rounds (items -> padded, bucketed
-arrays), layout (weights prepared per device), select (kernels or twins, and why), sharding
-(tensor parallelism over a Mesh), bench (speed), one file per Pallas kernel with its
-jax.numpy twin beside it: quant_matmul, decode_attention, prefill_attention, and cpu_matmul
-(Kipp's own CPU projection kernel, an XLA FFI handler in C++, with its twin).
+Modules: backend (JaxBackend), plan (its platform flags), forward (the jitted step), rounds
+(items -> padded, bucketed arrays), layout (the weights per device), kvcache (the KV slab),
+select (kernels or twins, and why), sharding (tensor parallelism over a Mesh), probe (the
+kernels' load-time checks), aot (the deviceless H200 compile), bench (speed); pallas/ (one file
+per Pallas kernel with its jax.numpy twin) and cpu/ (Kipp's CPU kernels, XLA FFI handlers in
+C++, with their twins).
 
 This package imports JAX only when its modules are imported, so `jax_sees_gpu` and
-`jax_usable` can be asked on machines without JAX. On a machine with no NVIDIA driver it sets
-JAX_PLATFORMS=cpu (unless already set) before JAX is imported: an installed CUDA plugin would
-otherwise print a traceback ("Unable to load CUDA") on every start before JAX falls back to
-the CPU. The deviceless H200 compile (kipp.cuda.aot) works under that setting.
+`jax_usable` can be asked on machines without JAX; on a Linux machine without an NVIDIA driver
+it first sets how JAX starts there (kipp.cuda.startup).
 """
 
-import ctypes.util
-import os
-import sys
-
+from kipp.cuda import startup
 from kipp.errors import KippError
 
-
-def nvidia_driver_present() -> bool:
-    """True when an NVIDIA kernel driver or its user-space library (libcuda) is visible."""
-    return os.path.exists("/proc/driver/nvidia/version") or bool(ctypes.util.find_library("cuda"))
-
-
-def _quiet_cuda_plugin_without_driver() -> None:
-    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules or sys.platform != "linux":
-        return  # the user's choice, or too late to matter, or no CUDA plugin to begin with
-    if not nvidia_driver_present():
-        os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-_quiet_cuda_plugin_without_driver()
+startup.prepare()
 
 
 def jax_sees_gpu() -> bool:

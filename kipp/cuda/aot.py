@@ -11,13 +11,10 @@ GPU machine would: Pallas' Triton lowering, Triton's GPU passes, LLVM NVPTX and 
 limit fails here as it would there). Nothing runs: numerics are the interpret-mode tests' job.
 
 Needs, at jax's own version: jax-cuda12-plugin and jax-cuda12-pjrt (`jax[cuda12-local]`), and
-nvidia-cuda-nvcc-cu12 for ptxas (the `dev` extra, Linux). The plugin registers only when JAX
-starts with no CUDA in `jax_platforms` or with a working driver, so on a machine without a GPU
-import this module before JAX starts its backends (tests/conftest.py does; `host_setup`).
-
-The report comes from XLA's own dump of the build (`xla_dump_to`): the PTX it handed ptxas, and
-the thunk sequence with each kernel's launch (grid, threads, dynamic shared memory); `ptxas -v`
-on that PTX gives registers and spill bytes per kernel.
+nvidia-cuda-nvcc-cu12 for ptxas (the `dev` extra, Linux); without a GPU, JAX must start with no
+CUDA in `jax_platforms` (kipp.cuda.startup, `host_setup`). The report comes from XLA's dump of
+the build (`xla_dump_to`): the PTX handed to ptxas (`ptxas -v`: registers and spills per
+kernel) and the thunk sequence with each kernel's launch (grid, threads, shared memory).
 """
 
 from __future__ import annotations

@@ -2,31 +2,17 @@
 
     backend = JaxBackend(open_artifact("tiny.gguf"), num_blocks=64)
     backend.describe()  # 'jax (jax.numpy twins on cpu: JAX platform is cpu, no GPU for the
-                        #  kernels; f32 weights, bf16 artifact (auto: the ... float32 copy
-                        #  fits the budget ...))'
+                        #  kernels; f32 panel weights, Kipp CPU matmul, ..., bf16 artifact
+                        #  (auto: the ... float32 copy fits the budget ...))'
     [logits] = backend.eval([EvalItem((9707, 11, 1879), 0, (5, 2))])
 
-At load the weights are placed once, tensor by tensor, in the layout `weight_memory` picks
-(kipp.memory, kipp.cuda.layout: the stored format on a GPU, float32 on a CPU when it fits the
-budget) and the KV slab is allocated once. `eval` splits the items into rounds (kipp.engine.rounds,
-kipp.cuda.rounds), runs one compiled step per round with the slab donated (updated in place),
-and copies back only the requested logits rows. Steps are compiled ahead of time per shape
-bucket and cached; each compile is logged with its time, and `compile_log` keeps (bucket,
-seconds) for benchmarks and tests. `kv_scheme="q8_0"` keeps the slab as Q8_0 head-rows
-(kipp.formats.kvquant: int8 and fp16 planes, 136 bytes per row against BF16's 256), quantized in the
-step and dequantized in attention.
-
-Kernels that fail never break a load: each Pallas kernel variant the step uses is first probed
-against its twin (kipp.cuda.probe, kipp.probe) and replaced by it, per kernel, if it fails to
-compile, raises or disagrees; then, on a GPU, one decode step runs on the kernels at load (its
-stores dropped), and if the whole step fails to compile or run there, or a later bucket fails to
-compile, the kernels still running are replaced too. Each fallback is one warning line, and
-`describe()` / `kernel_report()` name what runs and what fell back. fallback=False (or
-KIPP_KERNEL_FALLBACK=0) raises kipp.probe.KernelError instead.
-
-Multi-device: pass `mesh` (a jax.sharding.Mesh with one axis, "tp") to shard the model tensor-
-parallel over attention heads and the FFN (kipp.cuda.sharding); XLA's partitioner inserts the
-collectives. Sharded runs use the twins.
+At load the platform's flags are planned once (kipp.cuda.plan), the weights placed tensor by
+tensor in the planned layout (kipp.cuda.layout) and the KV slab allocated once
+(kipp.cuda.kvcache, BF16 or q8_0). `eval` splits the items into rounds (kipp.cuda.rounds) and
+runs one compiled step per shape bucket with the slab donated (updated in place). A Pallas
+kernel that fails its probe, or the first step, is replaced by its twin with one warning
+(kipp.probe; fallback=False or KIPP_KERNEL_FALLBACK=0 raise instead). `mesh`: tensor parallel
+over a one-axis ("tp") jax.sharding.Mesh (kipp.cuda.sharding), on the twins.
 """
 
 from __future__ import annotations
@@ -41,12 +27,12 @@ import numpy as np
 
 from kipp import memory, probe
 from kipp.backend import KV_BLOCK, Backend, EvalItem
-from kipp.cuda import forward, layout, rounds, select
+from kipp.cuda import forward, kvcache, layout, plan, rounds
 from kipp.display import step_bar
 from kipp.errors import KippError
 from kipp.formats import kvquant
 from kipp.formats.artifact import Artifact
-from kipp.formats.registry import HEAD_DIM, KV_HEADS, VOCAB_SIZE
+from kipp.formats.registry import VOCAB_SIZE
 from kipp.rope import rope_tables
 
 log = logging.getLogger("kipp.cuda")
@@ -54,10 +40,9 @@ log = logging.getLogger("kipp.cuda")
 MAX_ROUND_TOKENS = 512  # tokens per round: bounds the token bucket and activation memory
 
 # Stored weights on a CPU are the choice for memory, so their steps compile with XLA's older CPU
-# fusion code generator: measured at the 0.6B shape (jax 0.10), 12-20 MiB of compiler scratch at
-# a compile's peak instead of 53-73 (on top of the weights), decode at the same speed, prefill
-# 0-3% slower, logits bitwise equal. A jaxlib without the option (0.11 dropped it) compiles as
-# usual (_compile_with).
+# fusion code generator: a fraction of the compiler's scratch at its peak, decode as fast, the
+# logits bitwise the same (tests/test_weight_memory.py). A jaxlib without the option compiles
+# as usual (_compile_with).
 LEAN_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False}
 _UNKNOWN_OPTIONS: set[str] = set()  # compiler options this process's jaxlib rejected
 
@@ -81,27 +66,28 @@ class JaxBackend(Backend):
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
         self.entry, self.scheme, self.kv_scheme = entry, artifact.scheme, kv_scheme
         self.device = device or (None if mesh is not None else jax.devices()[0])
-        platform = (mesh.devices.flat[0] if mesh is not None else self.device).platform
-        gpu = platform in ("gpu", "cuda")
-        self.choice = select.choose_path(path, "gpu" if gpu else platform)
-        if mesh is not None and self.choice.kernels:
-            self.choice = select.Choice(False, False, "sharded over a mesh: twins")
-        self.fallback = probe.fallback_enabled(fallback)
-        self.memory, self.layout = _weight_layout(
-            artifact, weight_memory, weight_layout, gpu, platform,
-            plain=mesh is not None or self.choice.kernels)
         self.mesh = mesh
-        self.cpu_attention = _cpu_attention(platform, mesh, self.choice.kernels, kv_scheme)
-        lean = platform == "cpu" and mesh is None and self.memory.mode == "stored"
-        self.compiler_options = dict(LEAN_CPU_COMPILE) if lean else {}
-        self.cpu_steps = platform == "cpu"  # XLA's temporaries are host memory (_run)
+        facts = plan.gather(self.device, mesh)
+        chosen = None if plan.explicit_layout(weight_layout) else memory.choose_weight_memory(
+            weight_memory, gpu=facts.gpu, float32_bytes=layout.float32_bytes(artifact))
+        self.plan = plan.make_plan(facts, scheme=self.scheme.name, path=path,
+                                   weight_memory=chosen, weight_layout=weight_layout,
+                                   kv_scheme=kv_scheme)
+        for warning in self.plan.warnings:
+            _warn_once(warning)
+        # the plan's flags the rest of Kipp and the tests read off the backend
+        self.choice, self.memory, self.layout = (self.plan.choice, self.plan.memory,
+                                                 self.plan.layout)
+        self.cpu_attention, self.stacked = self.plan.cpu_attention, self.plan.stacked
+        self.compiler_options = dict(LEAN_CPU_COMPILE) if self.plan.lean_compile else {}
+        self.fallback = probe.fallback_enabled(fallback)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
         self._programs: dict[rounds.Bucket, object] = {}
         start = time.perf_counter()
         self.kernels = self._probe() if self.choice.kernels else probe.KernelReport()
-        self._load(artifact, platform)
-        if self.choice.kernels and not self.choice.interpret and self.kernels.running:
+        self._load(artifact)
+        if self.plan.first_step and self.kernels.running:
             self._first_step()
         log.info("%s (loaded in %.1f s)", self.describe(), time.perf_counter() - start)
 
@@ -109,56 +95,33 @@ class JaxBackend(Backend):
         """Every kernel variant the step will run, against its twin (kipp.cuda.probe)."""
         from kipp.cuda import probe as probes
 
-        fmts = [_projection_format(self.scheme.name, self.layout)]
-        if not self.choice.interpret:  # interpret mode runs the head on its twin (forward.Ops)
-            fmts.append("f32" if self.layout == "f32" else "bf16")
         device = self.device if self.device is not None else jax.devices()[0]
-        checks = probes.probes(fmts, self.kv_scheme, self.entry.query_heads,
+        checks = probes.probes(self.plan.probe_formats, self.kv_scheme, self.entry.query_heads,
                                interpret=self.choice.interpret, device=device)
         key = ("jax", device.platform, getattr(device, "device_kind", ""), self.choice.interpret)
         report = probe.run_probes(checks, key, self.fallback, log)
         log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
         return report
 
-    def _load(self, artifact: Artifact, platform: str) -> None:
-        if self.layout == "panels":
-            from kipp.cuda.cpu import matmul as cpu_matmul
-
-            usable, why = cpu_matmul.available()
-            if platform != "cpu" or self.mesh is not None or not usable:
-                raise KippError(f"the panels weight layout needs Kipp's CPU matmul on one CPU "
-                                f"device ({why if not usable else platform})")
+    def _load(self, artifact: Artifact) -> None:
         # positions a sequence reaches: every one holds a slot of the slab (the whole context's
         # table is 40 MiB; Backend.check keeps positions inside the slab)
         self.rope_positions = min(self.entry.context_length, self.num_blocks * KV_BLOCK)
         cos, sin = rope_tables(np.arange(self.rope_positions), self.entry.rope_theta)
-        shape = (self.num_blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
-        # the CPU twins hold BF16 as uint16 bits (kipp.cuda.layout); kernels read BF16 itself
-        bits = platform == "cpu" and self.layout == "device" and not self.choice.kernels
-        # the twins on one CPU device stack the layers for a scanned step (kipp.cuda.layout):
-        # BF16 bits or packed planes (stored), or panels for Kipp's CPU matmul (float32)
-        self.stacked = self.mesh is None and platform == "cpu" and not self.choice.kernels \
-            and self.layout in ("device", "panels")
         if self.mesh is not None:
             from kipp.cuda import sharding
 
             mesh = self.mesh
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
                 layout.to_device(value, shardings=sharding.leaf_sharding(name, value, mesh))),
-                bits)
+                self.plan.bits)
             kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
         else:
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-                layout.to_device(value, self.device)), bits, self.stacked)
+                layout.to_device(value, self.device)), self.plan.bits, self.stacked)
             kv_sharding = replicated = self.device
-        if self.stacked:
-            shape = (self.entry.layers,) + shape
-        zeros = jax.jit(lambda: layout.kv_zeros(shape, self.kv_scheme, platform),
-                        out_shardings=_as_sharding(kv_sharding))
-        if self.stacked:
-            self._kv_zeros = lambda: (zeros(), zeros())
-        else:
-            self._kv_zeros = lambda: tuple((zeros(), zeros()) for _ in range(self.entry.layers))
+        self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
+                                            self.plan.platform, self.stacked, kv_sharding)
         self.kv = self._kv_zeros()
         self.rope = jax.device_put((cos, sin), replicated)
         self._replicated = replicated
@@ -213,7 +176,7 @@ class JaxBackend(Backend):
         kipp.memory.large_blocks_returned, so XLA's temporaries (host memory there) go back to
         the OS when freed; a GPU's steps are not waited on here."""
         args = (self.params, self.kv, self.rope, jax.device_put(arrays, self._replicated))
-        if not self.cpu_steps:
+        if not self.plan.cpu_steps:
             return program(*args)
         with memory.large_blocks_returned():
             logits, kv = program(*args)
@@ -296,43 +259,9 @@ class JaxBackend(Backend):
                            cpu_attention=self.cpu_attention)
 
 
-def _projection_format(scheme: str, weight_layout: str) -> str:
-    """The weight format quant_matmul sees for the projections in `weight_layout`."""
-    return "f32" if weight_layout == "f32" else scheme
-
-
-def _weight_layout(artifact: Artifact, weight_memory: str, weight_layout: str | None,
-                   gpu: bool, platform: str, plain: bool) -> tuple[memory.WeightMemory, str]:
-    """(how the weights are held and why, layout name): weight_memory through kipp.memory
-    ("float32": panels or f32, kipp.cuda.layout.float32_layout), or an explicit weight_layout
-    ("f32", "panels" or "device", tests and tools) taken as given. `plain`: sharded, or Pallas
-    kernels: float32 stays plain float32 (no panels)."""
-    if weight_layout not in (None, "auto"):
-        if weight_layout not in layout.LAYOUTS:
-            raise KippError(f"unknown weight layout {weight_layout!r}; choose from "
-                            f"{', '.join(layout.LAYOUTS)}")
-        mode = "stored" if weight_layout == "device" else "float32"
-        return memory.WeightMemory(mode, f"weight_layout={weight_layout!r}"), weight_layout
-    chosen = memory.choose_weight_memory(weight_memory, gpu=gpu,
-                                         float32_bytes=layout.float32_bytes(artifact))
-    if chosen.mode != "float32":
-        return chosen, "device"
-    return chosen, layout.float32_layout(platform, sharded=plain)
-
-
-def _cpu_attention(platform: str, mesh, kernels: bool, kv_scheme: str) -> bool:
-    """Whether the twins' decode rounds run Kipp's CPU attention (kipp.cuda.cpu.attention): on
-    one CPU device, over a BF16 slab; a warning, once, when it cannot be built or is switched
-    off (KIPP_JAX_CPU_ATTENTION=0)."""
-    if platform != "cpu" or mesh is not None or kernels or kv_scheme != "bf16":
-        return False
-    from kipp.cuda.cpu import attention as cpu_attention
-
-    usable, why = cpu_attention.available()
-    if not usable:
-        layout._warn_once(f"Kipp's CPU attention is unavailable ({why}); decode attention runs "
-                          f"its jax.numpy twin")
-    return usable
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _compile_with(lowered: jax.stages.Lowered, options: dict) -> jax.stages.Compiled:
@@ -355,12 +284,6 @@ def _compile_with(lowered: jax.stages.Lowered, options: dict) -> jax.stages.Comp
 def _signature(tree) -> tuple:
     leaves, structure = jax.tree.flatten(tree)
     return (structure,) + tuple((a.shape, a.dtype, a.sharding) for a in leaves)
-
-
-def _as_sharding(target):
-    if target is None or isinstance(target, jax.sharding.Sharding):
-        return target
-    return jax.sharding.SingleDeviceSharding(target)
 
 
 def make_backend(artifact: Artifact, num_blocks: int, **options) -> JaxBackend:

@@ -1,7 +1,7 @@
 """Decode and prefill speed of JaxBackend (and optionally the reference backend) on one artifact.
 
     python -m kipp.cuda.bench ARTIFACT [--prompt 128] [--decode 32] [--batch 1,8] [--reference]
-    python -m kipp.cuda.bench --layouts        # the CPU weight-layout measurement (layout.py)
+    python -m kipp.cuda.bench --layouts        # the CPU weight layouts (kipp.cuda.plan)
     python -m kipp.cuda.bench ARTIFACT --compare f32,panels --batch 1,8   # layouts side by side
 
 Reports per configuration: compile seconds, prefill tok/s, decode tok/s (aggregate over the
@@ -190,9 +190,9 @@ def format_table(rows: list[dict]) -> str:
 
 def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers: int = 8,
             repeats: int = 5) -> str:
-    """Weights/s of the CPU's projection paths per weight layout (the layout.py and
-    cpu_matmul.py measurement): XLA's dots on float32, BF16 and packed planes, and Kipp's CPU
-    matmul on float32 panels; every layout's calls interleaved per repeat, medians."""
+    """Weights/s of the CPU's projection paths per weight layout (why kipp.cuda.plan prefers
+    float32 on a CPU): XLA's dots on float32, BF16 and packed planes, and Kipp's CPU matmul on
+    float32 panels; every layout's calls interleaved per repeat, medians."""
     from kipp.cuda.cpu import matmul as cpu_matmul
     from kipp.cuda.forward import Ops
     from kipp.cuda.layout import Linear

@@ -1,22 +1,16 @@
 """Qwen3's forward pass as one jitted step over a packed round, in jax.numpy.
 
-The same nine steps as kipp.reference (DESIGN.md's order), on float32 activations:
-(1) RMSNorm; (2) Q, K, V projections; (3) per-head RMSNorm on Q and K; (4) RoPE; (5) store this
-round's K and V in the slab (rounded to BF16), then causal GQA over the paged slab; (6) output
-projection and residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the
-final RMSNorm and the output head for the requested rows only.
+The nine steps of kipp.reference, in order, on float32 activations: (1) RMSNorm; (2) Q, K, V
+projections; (3) per-head RMSNorm on Q and K; (4) RoPE; (5) store this round's K and V in the
+slab, then causal GQA over the paged slab; (6) output projection and residual; (7) RMSNorm;
+(8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the final RMSNorm and the output head for
+the requested rows only.
 
-`Ops` decides how projections and attention run: Pallas kernels (GPU, or interpret mode in
-tests) or their jax.numpy twins; on XLA's CPU, projections stored as float32 panels ("f32p")
-run Kipp's CPU matmul (kipp.cuda.cpu.matmul) whatever the path, and with `cpu_attention` the
-twins' decode rounds over a BF16 slab run Kipp's CPU attention (kipp.cuda.cpu.attention). The
-KV slab is a tuple of per-layer (K, V) buffers, each `[blocks, 32, 8, 128]` BF16 (stored as
-uint16 bits on XLA's CPU, whose BF16 scatter widens the whole buffer to float32 and back), or
-with the q8_0 KV scheme a `layout.QuantizedKV` pair of planes (kipp.formats.kvquant's format), donated
-to the step so XLA updates it in place. When the parameters' "layers" are stacked (a dict of
-`[layers, ...]` arrays: the CPU twins' stored and panel layouts, kipp.cuda.layout) the slab is
-one stacked (K, V) pair `[layers, blocks, 32, 8, 128]` and the step is a `lax.scan` of one
-layer over the stacks, the slab carried through it and written in place.
+`Ops` decides how projections and attention run: Pallas kernels (a GPU, or interpret mode in
+tests) or their jax.numpy twins, and on one CPU device Kipp's CPU kernels (kipp.cuda.cpu). The
+slab (kipp.cuda.kvcache) is donated to the step, so XLA updates it in place. When the
+parameters' "layers" are stacked (a dict of `[layers, ...]` arrays, kipp.cuda.layout) the slab
+is one stacked (K, V) pair and the step is a `lax.scan` of one layer, the slab carried through.
 """
 
 from __future__ import annotations
@@ -29,7 +23,8 @@ import jax.numpy as jnp
 from kipp.cuda import twin_matmul
 from kipp.cuda.cpu import attention as cpu_attention
 from kipp.cuda.cpu import matmul as cpu_matmul
-from kipp.cuda.layout import Linear, QuantizedKV, store_kv, widen_bf16
+from kipp.cuda.kvcache import QuantizedKV, store_kv
+from kipp.cuda.layout import Linear, widen_bf16
 from kipp.cuda.pallas import decode_attention as decode_mod
 from kipp.cuda.pallas import prefill_attention as prefill_mod
 from kipp.cuda.pallas import quant_matmul as matmul_mod

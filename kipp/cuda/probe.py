@@ -1,22 +1,14 @@
 """JaxBackend's kernel probes: every Pallas kernel variant a checkpoint will use, compiled and run
-once at load on a small input against the jax.numpy twin that would replace it
-(kipp.cuda.twin_matmul for the matmuls); kipp.probe runs and judges them.
+once at load on a small input against the jax.numpy twin that would replace it (kipp.probe runs
+and judges them).
 
-Variants: quant_matmul's two bodies, "matvec/<fmt>" (a few rows: multiply-reduce) and
-"matmul/<fmt>" (tile dot), for each weight format the step feeds it (the projections' format
-in the backend's layout, and the head's BF16, except in interpret mode where the head runs its
-twin); "decode_attention/<kv>" and "prefill_attention/<kv>" for the KV scheme. Inputs are
-seeded random weights in the layout's own format (quantized by kipp.formats.quant, packed by
-kipp.cuda.layout), activations, and a 4-block slab over scrambled block tables (two sequences
-of 40 and 9 positions; the prefill probe has padding queries, which are left out of the
-comparison). Each kernel runs through the same entry point the step calls, on the backend's
-device, so a compile error (Triton, ptxas), a launch error or a wrong result shows here.
-
-Bounds: 1e-7 NMSE where kernel and twin do the same float32 arithmetic in another order
-(measured here in interpret mode: at most 1e-13), 1e-5 for the tile dots of the matmul and of
-both attention kernels, which take BF16 operands on tensor cores (rounding one operand to BF16
-is about 1e-6; decode attention measured 2.6e-6 in interpret mode); a planted 1% scale error is
-1e-4, an indexing fault far more.
+Variants: quant_matmul's two bodies, "matvec/<fmt>" (a few rows) and "matmul/<fmt>" (tile dot),
+per weight format the step feeds it (kipp.cuda.plan's probe_formats); "decode_attention/<kv>"
+and "prefill_attention/<kv>" for the KV scheme. Inputs are seeded random weights in the
+layout's own format, activations, and a 4-block slab over scrambled block tables (two sequences
+of 40 and 9 positions; the prefill probe's padding queries are left out of the comparison).
+Each kernel runs through the step's own entry point on the backend's device, so a compile error
+(Triton, ptxas), a launch error or a wrong result shows here.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kipp.backend import KV_BLOCK
-from kipp.cuda import layout, twin_matmul
+from kipp.cuda import kvcache, layout, twin_matmul
 from kipp.cuda.pallas import decode_attention as decode_mod
 from kipp.cuda.pallas import prefill_attention as prefill_mod
 from kipp.cuda.pallas import quant_matmul as matmul_mod
@@ -35,6 +27,8 @@ from kipp.formats.artifact import Tensor
 from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.probe import Probe
 
+# Kernel and twin doing the same float32 arithmetic in another order sit near 1e-13; rounding
+# one operand to BF16 for the tensor cores costs about 1e-6; a planted 1% scale error is 1e-4.
 EXACT_BOUND = 1e-7
 TILE_BOUND = 1e-5  # tile dots that may round an operand to BF16
 ROWS, COLS = 64, 256
@@ -77,8 +71,8 @@ def _slab(kv_scheme: str, device, rng):
     platform = device.platform
     shape = (4, KV_BLOCK, KV_HEADS, HEAD_DIM)
     rows = rng.standard_normal((4 * KV_BLOCK, KV_HEADS, HEAD_DIM)).astype(np.float32)
-    cache = layout.kv_zeros(shape, kv_scheme, "cpu" if platform == "cpu" else "gpu")
-    cache = layout.store_kv(cache, jnp.asarray(rows), jnp.arange(4 * KV_BLOCK))
+    cache = kvcache.kv_zeros(shape, kv_scheme, "cpu" if platform == "cpu" else "gpu")
+    cache = kvcache.store_kv(cache, jnp.asarray(rows), jnp.arange(4 * KV_BLOCK))
     return jax.device_put(cache, device)
 
 
@@ -93,7 +87,7 @@ def _attention_probes(kv_scheme: str, query_heads: int, interpret: bool, device,
         lambda: np.asarray(decode_mod.decode_attention(q, k, v, lengths, tables,
                                                        interpret=interpret)),
         lambda: np.asarray(decode_mod.decode_attention_reference(q, k, v, lengths, tables)),
-        TILE_BOUND)  # its dots take BF16 operands on tensor cores (issue 15): measured 2.6e-6
+        TILE_BOUND)  # its dots take BF16 operands on tensor cores
     queries = 8  # sequence 0: positions 32..39; sequence 1: 0..4 and three padding slots
     pos = np.array([np.arange(32, 40), [0, 1, 2, 3, 4, -1, -1, -1]], np.int32)
     valid = pos >= 0

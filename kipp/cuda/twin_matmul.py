@@ -1,23 +1,16 @@
 """The jax.numpy twin of quant_matmul as the step runs it: y = x @ W^T on any prepared layout,
 with a stored-format weight widened (BF16) or dequantized when and where its matmul runs.
 
-A float32 layout is one dot. A stored layout (BF16, q8_0, the 4-bit planes) must be widened
-to float32 for the dot, and left to itself XLA widens every weight of the step at its start:
-the conversions depend on nothing but the parameters, so its scheduler is free to run them
-first (on XLA's CPU, optimization barriers are removed before scheduling; in a loop over blocks
-the conversion is moved ahead of the slice and hoisted out as loop-invariant). A 16-token
-prefill at the 0.6B shape held all 1.76 GB of widened projections at once: the step's
-temporaries were 1,680 MiB (`compiled.memory_analysis()`), peak RSS 3.66 GB against 1.87 GB
-after load. So the stored values are tied to the activation they multiply before anything
-widens them: a zero computed from x (and from the block index) is added to their integers
-(`_anchored`), which no compiler pass can fold, hoist or move a conversion across. A weight then
-widens when its layer runs, one block of at most CHUNK_ELEMENTS weights at a time for a large
-one (the 151,936-row head; 8B-class FFN weights), inside a `lax.map`: the 0.6B prefill's
-temporaries fell to 24 MiB.
-
-A single row (decode) skips all of it: XLA fuses the widening into a one-row dot and never
-materialises the weight (kipp.cuda.layout's table: BF16 at one row is the fastest layout).
-Numerics are quant_matmul_reference's exactly: adding 0 to an integer changes nothing.
+A float32 layout is one dot. A stored layout (BF16, q8_0, the 4-bit planes) must be widened for
+the dot, and left to itself XLA widens every weight of the step at its start (the conversions
+depend only on the parameters, so its scheduler may run them first, and hoists them out of a
+loop over blocks): a prefill then holds every projection in float32 at once. So the stored
+values are tied to the activation they multiply: a zero computed from x (and the block index)
+is added to their integers (`_anchored`), which no compiler pass can fold, hoist or move a
+conversion across. A weight then widens when its layer runs, at most CHUNK_ELEMENTS weights at
+a time for a large one (the head; 8B-class FFN weights), inside a `lax.map`. A single row
+(decode) skips all of it: XLA fuses the widening into a one-row dot and never materialises the
+weight. Numerics are quant_matmul_reference's exactly: adding 0 to an integer changes nothing.
 """
 
 from __future__ import annotations

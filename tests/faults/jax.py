@@ -6,7 +6,7 @@ from __future__ import annotations
 from faults import Fault, register
 
 _GATE = ("gate: jax vs reference", "gate: jax vs transformers")
-# The faults issue 14 saw pass a 4-bit artifact's bf16-vs-quantized bound: held against
+# Faults small enough to pass a 4-bit artifact's bf16-vs-quantized bound: held against
 # transformers on that artifact's dequantized weights too.
 _GATE4 = _GATE + ("gate: jax vs transformers (affine4_gs32)",)
 
@@ -59,11 +59,11 @@ def _plant_theta(patch):
     _fresh_programs(patch)
     original = backend.JaxBackend._load
 
-    def load(self, artifact, platform):
+    def load(self, artifact):
         entry = self.entry
         self.entry = dataclasses.replace(entry, rope_theta=entry.rope_theta * 1.05)
         try:
-            original(self, artifact, platform)
+            original(self, artifact)
         finally:
             self.entry = entry
 

@@ -12,7 +12,7 @@
 //
 // Why: the jax.numpy twin gathers each sequence's rows, widens and (for the grouped form)
 // transposes them before two tiny batched dots, which made an 8-sequence decode step grow with
-// context on XLA's CPU (bench/README.md, batch scaling). Here each unit of work, one sequence
+// context on XLA's CPU (bench/results/*-batch_scaling-*). Here each unit of work, one sequence
 // and one KV head, reads its K and V rows once, straight from the slab, and serves the `group`
 // query heads that share them: scores for every position, then the softmax, then the weighted
 // sum of V rows. Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds

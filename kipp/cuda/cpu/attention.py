@@ -1,18 +1,15 @@
 """Decode attention on XLA's CPU through Kipp's own kernel: one query per sequence, read straight
 from the paged BF16 slab.
 
-Why: the jax.numpy twin (kipp.cuda.pallas.prefill_attention.paged_attention_reference) gathers every
-sequence's rows, widens them and runs two tiny batched dots, and on XLA's CPU that is what made a
-batched decode step grow with context (bench/README.md, batch scaling). The kernel
-(kipp/cuda/cpu/attention.cc, an XLA FFI handler built into the library kipp.cuda.cpu.matmul
-builds) takes one sequence and one KV head per unit of work: it reads each K and V row once
-from the slab through the block table, for all the query heads that share it.
-
-Used by the JAX backend's twins on one CPU device for decode rounds (one query per sequence)
-over a BF16 slab; q8_0 KV, prefill and every other device keep the jax.numpy twin. Numerics are
-float32 like the twin's, summed in another order: tests/test_cpu_attention.py gates kernel and
-twin against numpy in float64. When the library cannot be built, `available()` says why and the
-twin runs. KIPP_JAX_CPU_ATTENTION=0 turns the kernel off (A/B).
+Why: the jax.numpy twin (kipp.cuda.pallas.prefill_attention.paged_attention_reference) gathers
+every sequence's rows, widens them and runs two tiny batched dots, which on XLA's CPU made a
+batched decode step grow with context (the batch-scaling records,
+bench/results/*-batch_scaling-*.json). The kernel (attention.cc, an XLA FFI handler in the
+library kipp.cuda.cpu.matmul builds) takes one sequence and one KV head per unit of work and
+reads each K and V row once, for all the query heads that share it. The JAX backend's twins use
+it on one CPU device for decode rounds over a BF16 slab; float32 like the twin, summed in
+another order (tests/test_cpu_attention.py). `available()` says why when it cannot be built;
+KIPP_JAX_CPU_ATTENTION=0 turns it off.
 """
 
 from __future__ import annotations

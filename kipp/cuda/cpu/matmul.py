@@ -1,31 +1,16 @@
 """y = x @ W^T on XLA's CPU through Kipp's own kernel: float32 weights packed in 8-column panels,
 read once per round for every row in it.
 
-Why: XLA's CPU dots (YNNPACK, or Eigen) repack the weight matrix on every call once a dot has
-more than one row, so a batched decode step or a short prefill chunk paid 2-3.5x a one-row step
-for the same weight read. Measured with the issue-21 microbenchmark on this 2-core box (4 layers
-of the 0.6B shape's seven projections, median wall time, 2 threads, under load):
-
-    rows              1      8      16     128
-    XLA dot           1.0    2.4x   3.7x   15x     (relative to its own one-row time)
-    this kernel       0.82   1.5x   2.5x   16x     (first column: its one-row time / XLA's)
-
-Layout (`pack`): W [N, K] -> panels [N/8, K, 8]: panel p holds output columns 8p..8p+7, one
-8-float vector per k, so the kernel streams memory front to back. The embedding shares the tied
-head's panels: row v is `panels[v // 8, :, v % 8]`.
-
-Kernel: kipp/cuda/cpu/matmul.cc (an XLA FFI handler; the tiling and why is in its header). It is
-compiled at first use with the system's C++ compiler (`$CXX`, else c++ / g++ / clang++) against
-the JAX headers, for this CPU (-march=native), into $KIPP_HOME/build, keyed by source, compiler,
-JAX version and CPU; then registered as an FFI target. The same library holds Kipp's CPU decode
-attention (kipp/cuda/cpu/attention.cc, wrapped by kipp.cuda.cpu.attention), and both sources
-share kipp/cuda/cpu/kernels.h: this module builds and loads it for both. Each output is one FMA
-chain over k, so a row's result is bitwise the same alone or in a batch. When no compiler is
-found or the build fails, `available()` says why, and JaxBackend keeps the plain float32 layout
-and XLA's dot (it logs the reason and says so in describe()). KIPP_JAX_CPU_MATMUL=0 turns the
-kernel off (A/B).
-
-Twin: `matmul_reference`, x @ unpack(panels)^T with jnp.dot; tests compare kernel, twin and numpy.
+Why: XLA's CPU dots repack the weight matrix on every call once a dot has more than one row, so
+a batched decode step or a short prefill chunk paid several times a one-row step for the same
+weight read (`python -m kipp.cuda.bench --layouts` measures both). Layout (`pack`): W [N, K] ->
+panels [N/8, K, 8], one 8-float vector per k, streamed front to back; the embedding shares the
+tied head's panels (`rows`). The kernel (matmul.cc, an XLA FFI handler) is compiled at first use
+with the system's C++ compiler against the JAX headers for this CPU (-march=native), into
+$KIPP_HOME/build keyed by source, compiler, JAX and CPU, in one library with Kipp's CPU decode
+attention (attention.cc). Each output is one FMA chain over k: a row's result is bitwise the
+same alone or batched. `available()` says why when it cannot be built (the backend then keeps
+XLA's dot); KIPP_JAX_CPU_MATMUL=0 turns it off. Twin: `matmul_reference`.
 """
 
 from __future__ import annotations

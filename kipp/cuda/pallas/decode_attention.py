@@ -4,15 +4,14 @@
 tile: prefill_attention.kv_tile), `lengths [S]` (positions each query sees: its own position
 + 1; 0 for a padding sequence) and `block_tables [S, B]`.
 
-Kernel: Pallas, Triton lowering (the choice and why: kipp.cuda.pallas.quant_matmul's docstring). A
-decode step has few queries, so one program per (sequence, KV head) would leave most of a GPU
-idle on long contexts: the context is split into `splits` ranges of `blocks_per_split` KV
-blocks (split-K, "flash decoding"), one program per (sequence, KV head, range). Each program
-runs an online softmax over its blocks and writes an unnormalised partial output with its
-running max and denominator; the wrapper merges the partials exactly as the online softmax
-would. The query heads sharing a KV head form the rows of one tile (padded to 16 for Triton's
-dot), so each KV block is read once per group. The dots are prefill_attention's
-`attend_block`: BF16 operands on the tensor cores, float32 accumulation and softmax.
+Kernel: Pallas, Triton lowering (kipp.cuda.pallas.quant_matmul says why). One program per
+(sequence, KV head) would leave most of a GPU idle on long contexts, so the context is split
+into ranges of `blocks_per_split` KV blocks (split-K, "flash decoding"), one program per
+(sequence, KV head, range). Each runs an online softmax over its blocks and writes an
+unnormalised partial output with its running max and denominator; the wrapper merges the
+partials exactly as the online softmax would. The query heads sharing a KV head are the rows of
+one tile (padded to 16 for Triton's dot), so each KV block is read once per group; the dots are
+prefill_attention's `attend_block`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the projections (q, k/v, o, gate/up, down, and the BF16 output head) at M = 1, 8
 per query-head count and KV scheme, decode attention for 1 and 8 sequences over 2,048
 positions and prefill attention for a 512-token chunk. Each case carries the work the kernel
 must do: its FLOPs and the bytes it must move at least (weights as stored, activations in and
-out, the KV it reads), for the roofline in bench/README.md.
+out, the KV it reads), for the roofline (`python -m bench kernels`).
 
 Also the whole step's arguments as specs (`step_specs`), for compiling forward.step at a
 checkpoint's shapes without its weights.
@@ -143,7 +143,7 @@ def attention_cases(schemes=KV_SCHEMES, checkpoints=None) -> list[Case]:
 
 def slab_spec(scheme: str, blocks: int, spec=jax.ShapeDtypeStruct):
     """One layer's K or V slab [blocks, 32, 8, 128] in `scheme` (GPU dtypes)."""
-    from kipp.cuda.layout import QuantizedKV
+    from kipp.cuda.kvcache import QuantizedKV
 
     shape = (blocks, KV_BLOCK, KV_HEADS, HEAD_DIM)
     if scheme == "q8_0":

@@ -1,25 +1,17 @@
 """Causal grouped-query attention of a round's queries over the paged KV slab (prefill chunks,
 and the general case of any number of queries per sequence).
 
-Queries come grouped by sequence, `q [S, Tq, H, 128]`, each with its position (`query_pos`,
--1 for padding); keys and values are read from one layer's slab `[blocks, 32, 8, 128]` through
-each sequence's block table, position p at `block_tables[s, p // 32] * 32 + p % 32`. A query
-at position p sees positions 0..p of its own sequence, which the step has already written to
-the slab for this round's tokens (the reference backend's order: store K/V, then attend).
+Queries come grouped by sequence, `q [S, Tq, H, 128]`, each with its position (`query_pos`, -1
+for padding); K and V are read from one layer's slab `[blocks, 32, 8, 128]` through each
+sequence's block table, position p at `block_tables[s, p // 32] * 32 + p % 32`. A query at
+position p sees positions 0..p of its own sequence (the step stores this round's K and V first).
 
-Kernel: Pallas, Triton lowering (the choice and why: kipp.cuda.pallas.quant_matmul's docstring). One
-program per (sequence, KV head, tile of `block_q` queries); it walks the sequence's KV blocks up
-to its last query's position with an online softmax (flash attention), loading each 32-position
-block's K and V tile through the block table. The group of query heads sharing the KV head is
-folded into the query tile (rows = queries x group), so each KV tile is read once per group.
-A q8_0 KV slab (kipp.formats.kvquant) arrives as its int8 and fp16 planes; `kv_tile` dequantizes each
-[32, 128] tile (d * q in float32, exact) right after loading it, so the online softmax is the
-BF16 path's. Both dots (`attend_block`) take BF16 operands on the H200's tensor cores with
-float32 accumulation, as flash attention does: q rounded to BF16 once, K and V as stored (a
-q8_0 tile rounded to BF16 after its exact dequantization), the probabilities rounded to BF16
-for the dot with V; the softmax itself stays float32. About ROWS query rows per program keep
-the float32 accumulator in registers without spills at every registry head count (compiled
-for sm_90a by tests/test_cuda_compile.py).
+Kernel: Pallas, Triton lowering (kipp.cuda.pallas.quant_matmul says why). One program per
+(sequence, KV head, tile of `block_q` queries) walks the sequence's KV blocks up to its last
+query with an online softmax (flash attention); the query heads sharing the KV head are folded
+into the tile, so each KV tile is read once per group. A q8_0 slab's tiles are dequantized right
+after loading (`kv_tile`). Both dots (`attend_block`) take BF16 operands on the tensor cores with
+float32 accumulation, as flash attention does; the softmax stays float32.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kipp.backend import KV_BLOCK
-from kipp.cuda.layout import QuantizedKV, dequantize_kv, kv_rows
+from kipp.cuda.kvcache import QuantizedKV, dequantize_kv, kv_rows
 from kipp.formats.registry import HEAD_DIM, KV_HEADS
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -40,7 +32,7 @@ MASKED = -1e30  # a finite "minus infinity": fully masked padding rows stay fini
 # Decode rounds on the twin score every query head against every KV head's rows up to this many
 # scores (16 MiB of float32): see _one_query_all_pairs.
 ALL_PAIRS_MAX_SCORES = 1 << 22
-ROWS = 64  # query rows (queries x group heads) per prefill program
+ROWS = 64  # query rows (queries x group heads) per program: no spills at any registry shape
 
 
 def kv_refs(k_cache, v_cache) -> tuple:
@@ -127,7 +119,7 @@ def prefill_attention(q: jax.Array, k_cache, v_cache, query_pos: jax.Array,
     tq_pad = pl.cdiv(tq, bq) * bq
     qg = q.reshape(s, tq, KV_HEADS, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, tq_pad - tq), (0, 0), (0, gp - g), (0, 0)))
-    qg = qg.astype(jnp.bfloat16)  # the tensor cores' operand type (kernel docstring)
+    qg = qg.astype(jnp.bfloat16)  # the tensor cores' operand type (`attend_block`)
     pos = jnp.pad(query_pos, ((0, 0), (0, tq_pad - tq)), constant_values=-1)
     tile = pl.BlockSpec((1, bq, 1, gp, d), lambda i, j, t: (i, t, j, 0, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, t: (0,) * a.ndim)  # noqa: E731
@@ -175,8 +167,7 @@ def _one_query_all_pairs(q, keys, values, query_pos):
     """paged_attention_reference for one query per sequence, without transposing the gathered
     rows: the batched dots of the grouped form need keys and values as [S, KV head, P, 128],
     and the fusion that gathers, widens and transposes them on XLA's CPU was most of a batched
-    decode step's growth with context (bench/README.md, batch scaling: ~4.6 ms a layer for 8
-    sequences over 4 blocks).
+    decode step's growth with context (bench/results/*-batch_scaling-*.json).
     Here every query head meets the rows of all 8 KV heads in the slab's own order [S, P * 8,
     128], and a mask keeps each head's own KV head: 8x the products of a tiny dot, no copy.
     q [S, 1, H, 128]; keys, values [S, P, 8, 128] f32 -> [S, 1, H, 128]."""

@@ -1,34 +1,16 @@
 """y = x @ W^T with W in any prepared layout (float32, BF16, q8_0, scale4_gs32, affine4_gs32),
 dequantizing inside the kernel: the weights cross memory packed, exactly as stored.
 
-Lowering: Pallas' Triton backend, selected explicitly with `pltriton.CompilerParams` (since JAX
-0.10 a bare pallas_call on GPU goes to Mosaic GPU). Why Triton, deliberately: these kernels are
-block-level array programs (load a tile, widen it, dot, reduce) that Triton's lowering
-schedules, pipelines and lays out by itself on every NVIDIA GPU since Ampere, and it is still
-shipped (deprecated, not removed) in JAX 0.11, the GPU machine's version. Mosaic GPU would need
-explicit warpgroup/TMA/barrier programming for Hopper only, its API changes from release to
-release (pallas_call itself is deprecated for it), and none of that can be validated without a
-GPU; interpret mode checks the same kernel semantics on a CPU for either lowering. When Triton
-is removed, these kernel bodies port to Mosaic GPU's `plgpu.kernel`; until then, if a kernel
-fails to compile, JaxBackend logs a warning and runs the jax.numpy twins (kipp.cuda.backend).
-The tests compile every kernel for an H200 (sm_90a) on a CPU (kipp.cuda.aot, at every registry
-shape: tests/test_cuda_compile.py, `python -m bench kernels`); only running them needs a GPU.
-
-Two inner products. More than MATVEC_ROWS rows (prefill, batched decode): BF16 tensor-core dots
-with float32 accumulation, x rounded to BF16 once, the weights exact: BF16 as stored, and for
-the quantized formats the stored integers (int8, nibbles, nibbles - 8: exact in BF16) per
-32-weight group, the group's fp16 scale multiplying the dot's float32 result (affine4 adds
-m * sum(x) over the group), i.e. kipp.formats.quant's dequantized values without rounding them. Up to
-MATVEC_ROWS rows (decode): float32 multiply-reduce on the CUDA cores over weights widened exactly
-(q8_0 and scale4 one exact multiply, affine4 an exact multiply and one rounded add, as
-kipp.formats.quant), where a dot would pad to Triton's 16-row minimum and the weight stream is the bound.
-The f32 format (the CPU layout's; never on a GPU) keeps IEEE float32 dots (precision HIGHEST).
-The grid is (row tiles, column tiles, K splits): when the first two give few programs (a decode
-matvec), K is split so the GPU has enough programs in flight to stream the weights at full
-bandwidth, and the partial sums are added by XLA. Tiles keep every registry shape free of
-register spills on the H200 (64 x 64 tiles with 64-wide K steps for dots of 64 rows, 16 x 64
-with 128-wide steps for fewer rows; a [rows, 32, 128 / rows] float32 product tile for matvecs,
-summed over K once at the end).
+Two bodies. More than MATVEC_ROWS rows (prefill, batched decode): BF16 tensor-core dots with
+float32 accumulation, x rounded to BF16 once and the weights exact: BF16 as stored, or a group's
+stored integers (exact in BF16) dotted and then scaled by the group's fp16 d in float32
+(affine4 adds m * sum(x)). Up to MATVEC_ROWS rows (decode): float32 multiply-reduce on the CUDA
+cores over weights widened exactly, where a dot would pad to Triton's 16-row minimum and the
+weight stream is the bound. The f32 format (the CPU layout's) keeps IEEE float32 dots. The grid
+is (row tiles, column tiles, K splits): K is split when the first two give few programs (a
+decode matvec), so the GPU streams the weights at full bandwidth; XLA adds the partial sums.
+Lowering: Pallas' Triton backend (`quant_matmul`'s comment says why). The tests compile every
+kernel for an H200 (sm_90a) on a CPU at every registry shape (tests/test_cuda_compile.py).
 """
 
 from __future__ import annotations
@@ -162,15 +144,14 @@ def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _block_k(k: int, cap: int) -> int:
-    bk = cap
-    while k % bk:
-        bk //= 2
+    bk = _block_n(k, cap)
     if bk < BLOCK:
         raise ValueError(f"input width {k} is not a multiple of {BLOCK}")
     return bk
 
 
 def _block_n(n: int, cap: int) -> int:
+    """The largest of cap, cap / 2, cap / 4, ... that divides n."""
     bn = cap
     while n % bn:
         bn //= 2
@@ -181,6 +162,10 @@ def _block_n(n: int, cap: int) -> int:
 def quant_matmul(x: jax.Array, w: Linear, *, interpret: bool = False,
                  block_n: int | None = None, block_k: int | None = None) -> jax.Array:
     """x [M, K] float32 @ w[N, K]^T -> [M, N] float32, dequantizing `w` tile by tile."""
+    # Triton, chosen explicitly (a bare pallas_call on a GPU goes to Mosaic GPU since JAX 0.10):
+    # these block-level array programs are scheduled and laid out by Triton on every NVIDIA GPU
+    # since Ampere, while Mosaic GPU wants explicit Hopper-only warpgroup/TMA programming that
+    # cannot be checked without a GPU. A kernel that fails to compile falls back to its twin.
     from jax.experimental.pallas import triton as pltriton
 
     m_rows, k = x.shape
@@ -188,8 +173,9 @@ def quant_matmul(x: jax.Array, w: Linear, *, interpret: bool = False,
     matvec = m_rows <= MATVEC_ROWS
     bm = pl.next_power_of_2(m_rows) if matvec else (16 if m_rows < 64 else 64)
     bn = _block_n(n, block_n or (32 if matvec else 64))
-    # matvec: the [bm, bn, bk] product tile stays at 4,096 float32 (32 registers per thread);
-    # 16-row dots: 128-wide K steps (at 64, affine4 spilled 4 bytes at 72 registers on ptxas 12.9)
+    # tiles free of register spills at every registry shape on the H200: matvec's [bm, bn, bk]
+    # product tile stays at 4,096 float32 (32 registers per thread); 16-row dots take 128-wide
+    # K steps (at 64, affine4 spilled)
     bk = _block_k(k, block_k or (128 // bm if matvec else 128 if bm == 16 else 64))
     padded = pl.cdiv(m_rows, bm) * bm
     splits = _splits(k // bk, (padded // bm) * (n // bn))
@@ -225,7 +211,8 @@ def _splits(k_steps: int, programs: int) -> int:
 
 
 def dequantize_reference(w: Linear) -> jax.Array:
-    """The prepared weight as float32 [N, K]: kipp.formats.quant.dequantize's arithmetic in jax.numpy."""
+    """The prepared weight as float32 [N, K]: kipp.formats.quant.dequantize's arithmetic in
+    jax.numpy."""
     if w.fmt in ("f32", "bf16"):
         return w.w.astype(jnp.float32)
     n, k = w.shape
