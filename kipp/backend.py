@@ -117,7 +117,8 @@ class Backend(ABC):
             used = item.block_table[: blocks_needed(item.end_position)]
             bad = [b for b in used if not 0 <= b < self._num_blocks]
             if bad:
-                raise EvalError(f"block id {bad[0]} is outside the KV slab 0..{self._num_blocks - 1}")
+                raise EvalError(f"block id {bad[0]} is outside the KV slab "
+                                f"0..{self._num_blocks - 1}")
 
     @abstractmethod
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:

@@ -7,9 +7,8 @@
 why (kipp.load prints the reason):
 1. `jax` when JAX sees a GPU (Pallas kernels);
 2. `mlx` on Apple silicon when MLX imports (Metal kernels);
-3. `jax` when JAX imports at all: its jax.numpy twins on a CPU are the fastest CPU path
-   (9.3 tok/s decode at the 0.6B shape on 2 cores against the reference's 1.4: README.md);
-4. `mlx` when MLX imports (its MLX-op twins on `mlx[cpu]`: 3.3 tok/s there);
+3. `jax` when JAX imports at all: its twins are the fastest CPU path (bench/README.md);
+4. `mlx` when MLX imports (its MLX-op twins on `mlx[cpu]`);
 5. `reference`, the numpy oracle, which is always there.
 Every one of them is gated against the reference and `transformers` in the test suite, so the
 fastest installed is also a correct one.

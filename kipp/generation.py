@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from kipp.display import html_view, preview, text_view
 from kipp.engine.admission import SchedulerError
@@ -22,9 +22,6 @@ from kipp.engine.spec import SpecConfig, SpecStats
 from kipp.errors import KippError
 from kipp.text.sampling import SamplingParams
 from kipp.text.stops import StopError
-
-if TYPE_CHECKING:
-    from kipp.model import Model
 
 
 class GenerationError(KippError, ValueError):
@@ -71,7 +68,7 @@ class GenerationStats:
             self.spec = done.spec
 
 
-def request_for(model: Model, prompt: list[int], max_tokens: int, stop, params: SamplingParams,
+def request_for(model, prompt: list[int], max_tokens: int, stop, params: SamplingParams,
                 speculative: bool | SpecConfig = False, session: Session | None = None,
                 grammar=None, logprobs: int | None = None) -> Request:
     """generate()'s arguments as a scheduler Request, or a GenerationError naming the bad one."""
@@ -98,7 +95,7 @@ def request_for(model: Model, prompt: list[int], max_tokens: int, stop, params: 
                    logprobs=logprobs, grammar=grammar, spec=spec)
 
 
-def check_session(model: Model, session: Session) -> None:
+def check_session(model, session: Session) -> None:
     if not isinstance(session, Session):
         raise GenerationError(f"session must be a kipp Session (model.session()), "
                               f"got {type(session).__name__}")
@@ -112,7 +109,7 @@ class Generation:
     """One streaming generation: iterate for text pieces (`for`, or `async for` in async code);
     `text` holds what has been produced so far and `stats` the counts and timings."""
 
-    def __init__(self, model: Model, request: Request, session: Session | None = None):
+    def __init__(self, model, request: Request, session: Session | None = None):
         self.model = model
         self.max_tokens = request.max_tokens
         self.stats = GenerationStats(prompt_tokens=len(request.prompt),

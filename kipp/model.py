@@ -7,7 +7,8 @@
     with model.session(capacity=256) as s:
         logits = s.eval(model.tokenizer.encode("Hello"))      # [1, 151936] float32
 
-A model owns one backend (with its KV slab) and the block pool over that slab; sessions,
+A model owns one backend (with its KV slab) and the block pool over that slab. Generation runs
+on the model's own scheduler (`engine`, kipp.generation), the one the server runs too; sessions,
 generation and batched eval all go through `eval_batch`, the one place that turns sessions into
 backend items.
 """
@@ -197,7 +198,8 @@ class Model:
             raise SessionError(f"token id {bad[0]} is outside the vocabulary 0..{VOCAB_SIZE - 1}")
         return ids
 
-    def eval_batch(self, requests: Sequence[tuple[Session, Sequence[int], int]]) -> list[np.ndarray]:
+    def eval_batch(self, requests: Sequence[tuple[Session, Sequence[int], int]]
+                   ) -> list[np.ndarray]:
         """Evaluate (session, tokens, logits_rows) triples in one backend call.
 
         Each session appends its tokens. If anything fails, every session is left as it was.

@@ -1,39 +1,22 @@
-"""The KV block pool: which physical 32-position blocks of the backend's KV slab each sequence uses.
+"""The KV block pool: which physical 32-position blocks of the KV slab each sequence uses.
 
-Pure Python, no backend imports. A session holds a block table (position p lives in
-`block_table[p // 32]`) and asks the pool for blocks. Every block is in exactly one state:
+    session A  table [7, 2, 9]      tokens 0..31 -> block 7, 32..63 -> 2, 64..70 -> 9 (private)
+    session B  table [7, 2, 4]      adopted A's published blocks 7 and 2, then its own block 4
+    pool       7, 2: in use (ref 2), published   9, 4: in use (ref 1)   the rest: free or cached
 
-- free: never used, or a private block whose last reference was released;
-- in use: refcount > 0 (private to one sequence, or published and adopted by several);
-- evictable: published, refcount 0, kept as cache in LRU order until its slot is needed.
-
-Publication is content-addressed: a full block's key chains the previous block's digest with
-its 32 token ids. A hash hit alone is never trusted: the stored tokens must be equal and the
-stored parent must be the very publication matched one block earlier (publication serials are
-never reused), so by induction the whole prefix is verified token by token.
-
-Tails: a sequence that ends mid-block can also publish that last, partial block (`publish(...,
-tail=True)`, what a closing session does), keyed by its parent publication and holding its
-1..31 tokens. A later prompt whose leading full blocks matched up to that parent takes over,
-with `match_tail`, a cached block continuing them: the tail that agrees with it longest, or a
-full block that holds all of the prompt's remaining tokens (a finished sequence's prompt end
-and what it generated after it; never for a partial agreement, since a full block may head a
-longer cached chain). The block leaves the cache and becomes the adopter's private block, for
-the agreeing tokens only (it writes its next positions there; what lies past them is never
-read), so a repeated prompt evaluates only its last token. Only an unreferenced cached block is
-taken, so nobody else's KV changes and no copy is needed.
-
-Typical use by a session and the scheduler:
+A block is free, in use (refcount > 0), or evictable (published, unreferenced, kept in LRU order
+until its slot is needed). A full block is published under a key chaining its parent's digest
+with its 32 token ids; a hit is trusted only when the tokens and the parent publication match
+too, so a matched prefix is verified token by token. A sequence that ends mid-block may publish
+that partial last block as a tail: a later prompt continuing the same parent takes it over
+privately (`match_tail`) for the tokens they agree on, so a repeated prompt evaluates only its
+last token. Shared blocks are full and immutable; the block being appended to is private.
 
     table = pool.match_prefix(prompt, max_blocks=(len(prompt) - 1) // KV_BLOCK)
-    tail, n = pool.match_tail(prompt, table, limit=len(prompt) - 1 - len(table) * KV_BLOCK)
-    table += [tail] if tail is not None else []          # n more tokens' KV, privately
     res = pool.reserve(worst_case_blocks - len(table))   # admission; PoolExhausted = wait
     table += pool.allocate(blocks_needed(len(prompt)) - len(table), reservation=res)
-    ...                                                  # decode: allocate(1, reservation=res)
     pool.publish(tokens_with_kv, table, tail=True)       # at finish, before releasing
-    pool.release(table, reservation=res)
-    res.release()
+    pool.release(table, reservation=res); res.release()
 """
 
 from __future__ import annotations

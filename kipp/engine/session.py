@@ -1,10 +1,11 @@
 """Sessions: one sequence's timeline over the shared KV block pool.
 
-A session holds the tokens it has evaluated and its block table. It allocates private blocks as it
-grows, can adopt published blocks for a matching prompt prefix (then, privately, a cached block
-holding the prompt's next tokens: kipp.engine.blocks' tails), truncates back to a prefix (speculative rollback) and,
-when closed, publishes its full blocks and its partial last one so later sessions can adopt
-them. Every method either completes or leaves the session exactly as it was.
+A session holds the tokens it has evaluated and its block table. It allocates private blocks
+as it grows, can adopt published blocks for a matching prompt prefix (then, privately, a cached
+block holding the prompt's next tokens: kipp.engine.blocks' tails), truncates back to a prefix
+(speculative rollback) and, when closed, publishes its full blocks and its partial last one so
+later sessions can adopt them. Every method either completes or leaves the session exactly as
+it was.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class Session:
 
         Only on an empty session. The full blocks are shared; a cached block that continues
         them (a finished sequence's last one) is taken over privately for the tokens it agrees
-        on (BlockPool.match_tail). At least one token is always left to evaluate, so the caller gets logits
-        for the prompt's last token. The caller then evals tokens[adopted:].
+        on (BlockPool.match_tail). At least one token is always left to evaluate, so the caller
+        gets logits for the prompt's last token. The caller then evals tokens[adopted:].
         """
         self._check_open()
         if self.tokens:

@@ -3,8 +3,8 @@
 Every field a body may carry is listed here, per endpoint. A field that is not listed, or that
 asks for something Kipp does not do (suffix, best_of != n), is a 400 naming it: never a silent
 ignore. `response_format` (both endpoints) and `tools` / `tool_choice` / `parallel_tool_calls`
-(chat) become a kipp.text.grammar constraint on the request; a schema or tool that cannot be enforced
-is a 400 naming the field.
+(chat) become a kipp.text.grammar constraint on the request; a schema or tool that cannot be
+enforced is a 400 naming the field.
 
 Ranges follow OpenAI's (temperature 0..2, penalties -2..2, logit_bias -100..100, n <= 8, legacy
 logprobs 0..5, top_logprobs 0..20, at most 4 stop strings); top_k, min_p and
