@@ -241,6 +241,17 @@ def _throughput_section(path: Path, record: dict, base: Path | None = None) -> l
     return out
 
 
+def _latest_section(all_records, workload: str, title: str, lines_of, base) -> list[str]:
+    """A section from the newest throughput record of `workload`, with its command."""
+    found = records.latest(all_records, "throughput", workload)
+    if found is None:
+        return [f"### {title}", "", "Not yet measured.", ""]
+    path, record = found
+    return ([f"### {title}", "", f"Checkpoint `{record['checkpoint']['id']}`; record "
+             f"{link(path, base)}.", ""] + lines_of(record)
+            + ["", f"Command: `{record['command']}`", ""])
+
+
 def render(all_records: list[tuple[Path, dict]], plot_name: str | None,
            base: Path | None = None) -> str:
     """Every table, in Markdown; links to records are relative to folder `base`."""
@@ -256,27 +267,12 @@ def render(all_records: list[tuple[Path, dict]], plot_name: str | None,
     if plot_name and any(covering(all_records, w) for w in THROUGHPUT_WORKLOADS):
         out += [f"![tok/s by engine and scheme]({plot_name})", ""]
     for workload, title in SERVER_WORKLOADS:
-        found = records.latest(all_records, "throughput", workload)
-        out.append(f"### {title}")
-        if found is None:
-            out += ["", "Not yet measured.", ""]
-            continue
-        path, record = found
-        out += ["", f"Checkpoint `{record['checkpoint']['id']}`; record {link(path, base)}.",
-                ""] + server_lines(record)
-        out += ["", f"Command: `{record['command']}`", ""]
+        out += _latest_section(all_records, workload, title, server_lines, base)
     out += engine_section(all_records, base)
     for tag, title, lines_of in (("spec", "Speculative decoding (greedy, prompt lookup)",
                                   spec_lines),
                                  ("grammar", "Constrained decoding overhead", grammar_lines)):
-        found = records.latest(all_records, "throughput", tag)
-        out.append(f"### {title}")
-        if found is None:
-            out += ["", "Not yet measured.", ""]
-            continue
-        path, record = found
-        out += ["", f"Checkpoint `{record['checkpoint']['id']}`; record {link(path, base)}.",
-                ""] + lines_of(record) + ["", f"Command: `{record['command']}`", ""]
+        out += _latest_section(all_records, tag, title, lines_of, base)
     for kind, title, lines_of in (("ppl", "Quality: perplexity against BF16", ppl_lines),
                                   ("interop", "Interop: llama.cpp on Kipp's GGUF files",
                                    interop_lines)):
