@@ -15,6 +15,7 @@ from kipp.errors import ArtifactError, ConvertError, FieldMismatch, KippError
 from kipp.formats import gguf, registry
 from kipp.formats.artifact import expected_tensors, open_artifact
 from kipp.formats.convert import convert
+from kipp.formats.hf_source import INDEX_FILE, SINGLE_WEIGHTS_FILE, HfSource
 from kipp.formats.quant import GGML_BF16, GGML_F32, SCHEMES, dequantize, quantize
 
 TINY = "kipp-synthetic/qwen3-tiny"
@@ -187,11 +188,15 @@ def test_rejects_truncated_file(tiny_bf16, tmp_path, keep):
         open_artifact(bad)
 
 
-def test_rejects_missing_tensor(tiny_bf16, tmp_path):
-    def drop(ts):
-        ts[:] = [t for t in ts if t[0] != "blk.1.ffn_up.weight"]
-    bad = _rewrite(tiny_bf16, tmp_path / "missing.gguf", tensors=drop)
-    assert "missing" in str(_expect(bad, "tensor blk.1.ffn_up.weight"))
+@pytest.mark.parametrize("part, name, field", [
+    ("tensors", "blk.1.ffn_up.weight", "tensor blk.1.ffn_up.weight"),
+    ("metadata", "qwen3.attention.head_count", "qwen3.attention.head_count"),
+])
+def test_rejects_missing_tensor_or_metadata(tiny_bf16, tmp_path, part, name, field):
+    def drop(entries):
+        entries[:] = [e for e in entries if e[0] != name]
+    bad = _rewrite(tiny_bf16, tmp_path / "missing.gguf", **{part: drop})
+    assert "missing" in str(_expect(bad, field))
 
 
 def test_rejects_extra_tensor(tiny_bf16, tmp_path):
@@ -230,24 +235,18 @@ def _offset_field(path, name):
     return at + 8 + len(name) + 4 + 8 * len(info.shape) + 4, info
 
 
-def test_rejects_misaligned_offset(tiny_bf16, tmp_path):
-    bad = tmp_path / "misaligned.gguf"
+@pytest.mark.parametrize("name, offset, message", [
+    ("output_norm.weight", lambda offset: offset + 4, "not aligned"),
+    ("blk.0.attn_q.weight", lambda offset: 1 << 40, "past the end"),
+], ids=["misaligned", "past-end"])
+def test_rejects_bad_offset(tiny_bf16, tmp_path, name, offset, message):
+    bad = tmp_path / "offset.gguf"
     shutil.copy(tiny_bf16, bad)
-    pos, info = _offset_field(bad, "output_norm.weight")
+    pos, info = _offset_field(bad, name)
     with open(bad, "r+b") as f:
         f.seek(pos)
-        f.write(struct.pack("<Q", info.offset + 4))
-    assert "not aligned" in str(_expect(bad, "tensor output_norm.weight"))
-
-
-def test_rejects_offset_past_end(tiny_bf16, tmp_path):
-    bad = tmp_path / "past-end.gguf"
-    shutil.copy(tiny_bf16, bad)
-    pos, info = _offset_field(bad, "blk.0.attn_q.weight")
-    with open(bad, "r+b") as f:
-        f.seek(pos)
-        f.write(struct.pack("<Q", 1 << 40))
-    assert "past the end" in str(_expect(bad, "tensor blk.0.attn_q.weight"))
+        f.write(struct.pack("<Q", offset(info.offset)))
+    assert message in str(_expect(bad, f"tensor {name}"))
 
 
 @pytest.mark.parametrize("key,value", [
@@ -263,13 +262,6 @@ def test_rejects_metadata_differing_from_registry(tiny_bf16, tmp_path, key, valu
     bad = _rewrite(tiny_bf16, tmp_path / "field.gguf", metadata=_set(key, value))
     err = _expect(bad, key, FieldMismatch)
     assert err.found == value
-
-
-def test_rejects_missing_metadata(tiny_bf16, tmp_path):
-    def drop(md):
-        md[:] = [m for m in md if m[0] != "qwen3.attention.head_count"]
-    bad = _rewrite(tiny_bf16, tmp_path / "nofield.gguf", metadata=drop)
-    assert "missing" in str(_expect(bad, "qwen3.attention.head_count"))
 
 
 def test_rejects_unknown_repository(tiny_bf16, tmp_path):
@@ -368,6 +360,34 @@ def test_converter_refuses_missing_shard(synthetic_dir, tmp_path):
 def test_converter_refuses_wrong_checkpoint(synthetic_dir, tmp_path):
     with pytest.raises(ConvertError, match="does not match registry entry"):
         convert(UNTIED, synthetic_dir(TINY), "bf16", tmp_path / "out.gguf", progress=False)
+
+
+def test_hf_source_reads_single_and_sharded_folders(synthetic_dir):
+    """One reader for the converter and the gates: every tensor of either layout, as stored."""
+    for checkpoint_id in (TINY, UNTIED):
+        folder = synthetic_dir(checkpoint_id)
+        want = _source_tensors(folder)
+        with HfSource(folder) as source:
+            assert sorted(source.names()) == sorted(want)
+            for name, tensor in want.items():
+                assert source.tensor(name).tobytes() == tensor.tobytes(), name
+                assert source.shape(name) == tensor.shape and source.dtype(name) == "BF16"
+            assert source.rows(name, 1, 3).tobytes() == tensor[1:3].tobytes()
+        with pytest.raises(ConvertError, match="tensor model.nope is missing"), \
+                HfSource(folder) as source:
+            source.tensor("model.nope")
+
+
+def test_hf_source_refuses_a_tensor_in_two_files(synthetic_dir, tmp_path):
+    source = tmp_path / "src"
+    shutil.copytree(synthetic_dir(UNTIED), source)
+    index = json.loads((source / INDEX_FILE).read_text())
+    first, second = sorted(set(index["weight_map"].values()))
+    shutil.copy(source / first, source / second)  # every tensor of `first` twice
+    with pytest.raises(ConvertError, match="appears in two files"):
+        HfSource(source)
+    with pytest.raises(ConvertError, match=f"no {SINGLE_WEIGHTS_FILE} or {INDEX_FILE}"):
+        HfSource(tmp_path)
 
 
 def test_cli_convert_and_inspect(synthetic_dir, tmp_path, capsys):

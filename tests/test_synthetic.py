@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers numpy's 'bfloat16' name for safe_open)
 import numpy as np
@@ -12,12 +13,14 @@ from safetensors import safe_open
 
 from kipp.errors import RegistryError
 from kipp.formats import registry
-from kipp.synthetic import circuit
+from kipp.synthetic import circuit, layout, positional
 from kipp.synthetic import writer as synthetic
+from kipp.synthetic.rule import N_LIVE
 from kipp.text.tokenizer_files import tokenizer_json_bytes
 
 TINY_IDS = ["kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base",
             "kipp-synthetic/qwen3-tiny-untied"]
+KIPP = Path(synthetic.__file__).resolve().parent.parent  # the kipp package folder
 SYNTHETIC_IDS = [c for c in registry.REGISTRY if c.startswith(registry.SYNTHETIC_PREFIX)]
 
 # The keys of the upstream Qwen/Qwen3-0.6B config.json.
@@ -130,9 +133,8 @@ def test_tokenizer_files_are_upstream_and_consistent(synthetic_dir):
     folder = synthetic_dir("kipp-synthetic/qwen3-tiny")
     raw = tokenizer_json_bytes()
     assert (folder / "tokenizer.json").read_bytes() == raw
-    packaged = synthetic.__file__.replace("synthetic.py", "data/qwen3-tokenizer/"
-                                          "tokenizer_config.json")
-    assert (folder / "tokenizer_config.json").read_bytes() == open(packaged, "rb").read()
+    packaged = KIPP / "data" / "qwen3-tokenizer" / "tokenizer_config.json"
+    assert (folder / "tokenizer_config.json").read_bytes() == packaged.read_bytes()
     model = json.loads(raw)["model"]
     assert read_json(folder / "vocab.json") == model["vocab"]
     lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
@@ -158,7 +160,7 @@ def test_weights_have_hf_names_shapes_and_bf16(synthetic_dir, checkpoint_id):
 
 def test_weights_follow_the_circuit_layout(tiny_dir):
     entry = registry.get("kipp-synthetic/qwen3-tiny")
-    dims, s = circuit.Dims(entry.hidden), circuit.scales(entry)
+    dims, s = layout.Dims(entry.hidden), circuit.scales(entry)
     tensors, _ = weights(tiny_dir)
     f32 = {name: t.astype(np.float32) for name, t in tensors.items()}
     embed = f32["model.embed_tokens.weight"]
@@ -173,12 +175,12 @@ def test_weights_follow_the_circuit_layout(tiny_dir):
     assert np.allclose(norms, s.token, rtol=0.01)  # every token the same norm
     assert not rows[:, dims.channels[1:]].any()  # the circuit's channels start empty
     # Random projections: the registry's init_std; random writes only reach NOISE.
-    assert f32["model.layers.0.mlp.up_proj.weight"][circuit.N_LIVE:].std() == pytest.approx(
+    assert f32["model.layers.0.mlp.up_proj.weight"][N_LIVE:].std() == pytest.approx(
         s.projection, rel=0.02)
     o = f32["model.layers.1.self_attn.o_proj.weight"]
     assert o[dims.noise][:, 128:].std() == pytest.approx(s.attention_write, rel=0.05)
     down = f32["model.layers.0.mlp.down_proj.weight"]
-    assert down[dims.noise][:, circuit.N_LIVE:].std() == pytest.approx(s.mlp_write, rel=0.05)
+    assert down[dims.noise][:, N_LIVE:].std() == pytest.approx(s.mlp_write, rel=0.05)
     keep = np.setdiff1d(np.arange(entry.hidden), np.r_[dims.noise, dims.switch, dims.sigma2])
     assert not o[keep].any()
     norm = f32["model.layers.0.input_layernorm.weight"]
@@ -192,7 +194,7 @@ def test_weights_follow_the_circuit_layout(tiny_dir):
 def test_live_tokens_are_words_in_one_successor_cycle():
     entry = registry.get("kipp-synthetic/qwen3-tiny")
     live = synthetic.live_token_ids(entry)
-    assert len(live) == len(set(live.tolist())) == circuit.N_LIVE
+    assert len(live) == len(set(live.tolist())) == N_LIVE
     vocab = {i: piece for piece, i in json.loads(tokenizer_json_bytes())["model"]["vocab"].items()}
     pieces = [vocab[i] for i in live.tolist()]
     assert {"\u0120the", "\u0120and", "\u010a", "."} <= set(pieces)  # the most common text pieces
@@ -212,9 +214,11 @@ def test_live_tokens_are_words_in_one_successor_cycle():
 
 def test_rope_profiles_meet_their_margins():
     """The designed positional scores over every offset a synthetic context allows."""
-    profiles = circuit.rope_profiles()
-    deltas = np.arange(-40_960, 2)
-    score = {k: circuit.profile_scores(c, deltas) for k, c in profiles.items()}
+    entry = registry.get("kipp-synthetic/qwen3-0.6b-shape")  # the longest synthetic context
+    profiles = positional.rope_profiles(entry.rope_theta)
+    deltas = np.arange(-entry.context_length, 2)
+    score = {k: positional.profile_scores(c, deltas, entry.rope_theta)
+             for k, c in profiles.items()}
     at = {d: np.flatnonzero(deltas == d)[0] for d in (1, 0, -1)}
     self_, scale, prev = score["self"], score["scale"], score["prev"]
     assert self_[at[1]] - self_[at[0]] >= 3.99  # the never-visible next position is preferred
@@ -222,6 +226,11 @@ def test_rope_profiles_meet_their_margins():
     assert scale[at[0]] - scale[at[-1]] == pytest.approx(10.0, abs=0.01)
     assert scale[:at[-1]].max() <= scale[at[0]] - 21.99
     assert np.delete(prev, [at[1], at[-1]]).max() <= prev[at[-1]] - 21.99
+
+
+def test_rope_profiles_hold_only_at_their_designed_base():
+    with pytest.raises(ValueError, match="designed for 1e\\+06"):
+        positional.rope_profiles(5e5)
 
 
 def _head_scores(tensors, entry, layer, head, deltas):
@@ -252,11 +261,12 @@ def test_positional_heads_realise_the_designed_profiles(synthetic_dir, checkpoin
     entry = registry.get(checkpoint_id)
     tensors, _ = weights(synthetic_dir(checkpoint_id))
     deltas = np.arange(-4096, 2)
-    roles = circuit.Roles(entry.query_heads // 8)
+    roles = layout.Roles(entry.query_heads // 8)
     for layer, head, kind in ((0, roles.self_head, "self"), (0, roles.scale_head, "scale"),
                               (0, roles.prev_head, "prev"), (1, roles.transport_head, "prev")):
         got = _head_scores(tensors, entry, layer, head, deltas)
-        want = circuit.profile_scores(circuit.rope_profiles()[kind], deltas)
+        want = positional.profile_scores(positional.rope_profiles(entry.rope_theta)[kind],
+                                         deltas, entry.rope_theta)
         # Relative to offset 0 (softmax is shift-free). BF16 weights move scores by ~0.1, well
         # inside the 22 of margin; the scale head's gap to the previous position stays 10.
         error = (got - got[-2]) - (want - want[-2])
@@ -418,5 +428,6 @@ def test_each_attention_fault_changes_greedy_output(designed_runs, monkeypatch, 
 
     model, prompts, expected = designed_runs
     faults.get(name).plant(monkeypatch)
-    changed = gates.designed_divergence(model, prompts, expected, gates.DESIGNED_STEPS)
+    got = gates.greedy_tokens(model, prompts, gates.DESIGNED_STEPS, expected)
+    changed = [g != e for g, e in zip(got, expected)]
     assert sum(changed) >= 6, (name, changed)

@@ -5,7 +5,7 @@
 The calibration set: every tiny synthetic checkpoint, every weight scheme, kipp.gates'
 DEFAULT_PROMPTS. For each backend it measures the worst-row NMSE of: the backend vs
 transformers (on the artifact's weights), vs the reference (gate_vs_reference), cached decode
-vs recompute, batched vs isolated. kipp/gates.py's BOUNDS hold the worst of each, times the
+vs recompute, batched vs isolated. kipp/gates/bounds.py's BOUNDS hold the worst of each, times the
 factor, rounded up to one significant digit, with the measured value beside it.
 """
 

@@ -2,17 +2,13 @@
 
     python tools/design_rope_profiles.py        # needs scipy (dev only); rewrites the JSON
 
-A positional head of kipp.synthetic.writer has a constant query and key direction, so its score
-against the key `delta` positions away (delta = key position - query position) is a fixed
-trigonometric sum over the 64 RoPE frequency pairs:
-
-    score(delta) = sum_i A_i cos(theta_i delta) + B_i sin(theta_i delta)
-
-Each profile below is the one with the smallest total amplitude sum_i (|A_i| + |B_i|) (so the
-smallest BF16 rounding noise in the keys) that meets its constraints for every delta from
--MAX_CONTEXT to +1, found by linear programming (HiGHS through scipy). The two lowest
-frequency pairs are left out: the generator parks the leftover query and key energy there.
-The result is rounded to 1e-4 and the margins re-checked by kipp.synthetic.writer's tests.
+A positional head (kipp.synthetic.positional) scores the key `delta` positions away by a fixed
+trigonometric sum over the 64 RoPE frequency pairs, score(delta) = sum_i A_i cos(theta_i delta)
++ B_i sin(theta_i delta). Each profile below is the one with the smallest total amplitude
+sum_i (|A_i| + |B_i|) (so the smallest BF16 rounding noise in the keys) that meets its
+constraints for every delta from -MAX_CONTEXT to +1, found by linear programming (HiGHS through
+scipy). The two lowest frequency pairs are left out: the generator parks the leftover query and
+key energy there. The result is rounded to 1e-4; tests/test_synthetic.py re-checks the margins.
 """
 
 from __future__ import annotations
@@ -23,8 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-MAX_CONTEXT = 40_960  # the longest synthetic context (the 0.6B-shaped entry)
-ROPE_THETA = 1e6  # every synthetic entry's
+from kipp.formats.registry import REGISTRY
+from kipp.rope import inverse_frequencies
+
+SYNTHETIC = [e for e in REGISTRY.values() if e.is_synthetic]
+MAX_CONTEXT = max(e.context_length for e in SYNTHETIC)  # 40,960: the 0.6B-shaped entry's
+ROPE_THETA = SYNTHETIC[0].rope_theta  # every synthetic entry's (kipp.synthetic.circuit checks)
 SUPPRESS = 22.0  # every other visible position at least this far below the target
 SCALE_GAP = 10.0  # the "scale" profile: the previous position exactly this far below self
 LEAD = 4.0  # self and scale: the next (never visible) position this far ABOVE self
@@ -33,8 +33,7 @@ OUT = Path(__file__).resolve().parent.parent / "kipp" / "data" / "synthetic_rope
 
 
 def _basis(deltas: np.ndarray) -> np.ndarray:
-    theta = ROPE_THETA ** (-np.arange(PAIRS) / 64)
-    angles = np.outer(deltas.astype(np.float64), theta)
+    angles = np.outer(deltas.astype(np.float64), inverse_frequencies(ROPE_THETA)[:PAIRS])
     return np.hstack([np.cos(angles), np.sin(angles)])  # score = basis @ [A, B]
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from tqdm.auto import tqdm  # a widget in Jupyter, a text bar on stderr elsewhere
 
 from kipp.errors import ConvertError, QuantError
@@ -25,49 +24,11 @@ from kipp.formats.artifact import (
     expected_tensors,
     tokenizer_metadata,
 )
+from kipp.formats.hf_source import HfSource
 from kipp.formats.quant import WeightScheme, quantize
 from kipp.formats.quant import scheme as get_scheme
 
 _CHUNK_BYTES = 64 << 20  # float32 bytes of source rows converted at once
-
-
-class _Source:
-    """The tensors of a Hugging Face checkpoint folder, single-file or sharded."""
-
-    def __init__(self, folder: Path, stack: contextlib.ExitStack):
-        self.folder = folder
-        files = self._files()
-        self.handles = {}
-        for file in sorted(set(files.values())):
-            path = folder / file
-            if not path.is_file():
-                raise ConvertError(f"{folder}: weights file {file} is missing")
-            handle = stack.enter_context(safe_open(str(path), framework="np"))
-            for name in handle.keys():
-                if name in self.handles:
-                    raise ConvertError(f"{folder}: tensor {name} appears in two files")
-                self.handles[name] = handle
-
-    def _files(self) -> dict[str, str]:
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: file for name, file in weight_map.items()}
-        if (self.folder / "model.safetensors").is_file():
-            return {"*": "model.safetensors"}
-        raise ConvertError(f"{self.folder}: no model.safetensors or model.safetensors.index.json")
-
-    def check(self, spec: TensorSpec) -> None:
-        if spec.source not in self.handles:
-            raise ConvertError(f"{self.folder}: tensor {spec.source} is missing")
-        piece = self.handles[spec.source].get_slice(spec.source)
-        shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
-        if shape != spec.shape or dtype != "BF16":
-            raise ConvertError(f"{self.folder}: tensor {spec.source} is {dtype}{list(shape)}, "
-                               f"expected BF16{list(spec.shape)}")
-
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self.handles[name].get_slice(name)[start:stop]
 
 
 def convert(checkpoint_id: str, source, scheme_name: str, out, progress: bool = True) -> Path:
@@ -83,7 +44,7 @@ def convert(checkpoint_id: str, source, scheme_name: str, out, progress: bool = 
     for spec in specs:
         writer.add_tensor(spec.name, spec.shape, spec.ggml_type)
     with contextlib.ExitStack() as stack:
-        src = _Source(source, stack)
+        src = stack.enter_context(HfSource(source))
         _check_tensor_set(entry, src, specs)
         total = sum(info.nbytes for info in writer.tensors)
         bar = stack.enter_context(tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
@@ -125,11 +86,14 @@ def _tokenizer(entry: registry.Checkpoint, source: Path):
     return data
 
 
-def _check_tensor_set(entry: registry.Checkpoint, src: _Source, specs: list[TensorSpec]) -> None:
+def _check_tensor_set(entry: registry.Checkpoint, src: HfSource, specs: list[TensorSpec]) -> None:
     for spec in specs:
-        src.check(spec)
+        shape, dtype = src.shape(spec.source), src.dtype(spec.source)
+        if shape != spec.shape or dtype != "BF16":
+            raise ConvertError(f"{src.folder}: tensor {spec.source} is {dtype}{list(shape)}, "
+                               f"expected BF16{list(spec.shape)}")
     expected = {spec.source for spec in specs}
-    for name in src.handles:
+    for name in src.names():
         if name in expected:
             continue
         if name == "lm_head.weight" and entry.tied:
@@ -138,11 +102,11 @@ def _check_tensor_set(entry: registry.Checkpoint, src: _Source, specs: list[Tens
         raise ConvertError(f"{src.folder}: unexpected tensor {name} for {entry.id}")
 
 
-def _check_tied_head(src: _Source) -> None:
+def _check_tied_head(src: HfSource) -> None:
     """Some tied checkpoints also store lm_head.weight; accept it only as the embedding's copy."""
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
-    rows = src.handles[embed].get_slice(embed).get_shape()[0]
-    step = max(1, _CHUNK_BYTES // 4 // src.handles[embed].get_slice(embed).get_shape()[1])
+    rows, width = src.shape(embed)
+    step = max(1, _CHUNK_BYTES // 4 // width)
     for start in range(0, rows, step):
         a, b = src.rows(embed, start, start + step), src.rows(head, start, start + step)
         if a.shape != b.shape or a.view(np.uint16).tobytes() != b.view(np.uint16).tobytes():
@@ -150,7 +114,7 @@ def _check_tied_head(src: _Source) -> None:
                                f"from model.embed_tokens.weight")
 
 
-def _converted_chunks(src: _Source, spec: TensorSpec, scheme: WeightScheme):
+def _converted_chunks(src: HfSource, spec: TensorSpec, scheme: WeightScheme):
     """Yield the artifact bytes of `spec`, a block of rows at a time."""
     rows = spec.shape[0]
     row_floats = int(np.prod(spec.shape[1:], dtype=np.int64)) or 1

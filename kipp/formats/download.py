@@ -1,4 +1,4 @@
-"""Fetch a registry checkpoint at its pinned revision through the Hugging Face cache, and verify it.
+"""Fetch a registry checkpoint at its pinned revision through the Hugging Face cache; verify it.
 
 `download` asks `huggingface_hub.snapshot_download` for exactly the files Kipp uses, at the
 registry's pinned revision only, then refuses the snapshot unless
@@ -30,6 +30,7 @@ from huggingface_hub.utils import tqdm as hf_tqdm  # honours HF_HUB_DISABLE_PROG
 
 from kipp.errors import DownloadError
 from kipp.formats import registry
+from kipp.formats.hf_source import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from kipp.formats.registry import Checkpoint
 
 ALLOW_PATTERNS = [
@@ -37,8 +38,6 @@ ALLOW_PATTERNS = [
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "LICENSE", "README.md",
 ]
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_WEIGHTS_FILE = "model.safetensors"
 
 # config.json key -> the registry field it checks (for the "unconfirmed" hint).
 _REGISTRY_FIELD = {
@@ -76,14 +75,18 @@ def cached_snapshot(checkpoint_id: str, cache_dir=None) -> Path | None:
 
     The folder is not verified here: `download` verifies it, `verify_snapshot` can again.
     """
-
     entry = registry.get(checkpoint_id)
     try:
-        return Path(snapshot_download(repo_id=entry.id, revision=entry.revision,
-                                      allow_patterns=ALLOW_PATTERNS, cache_dir=cache_dir,
-                                      local_files_only=True))
+        return _snapshot(entry, cache_dir, local_only=True)
     except LocalEntryNotFoundError:  # also an incomplete snapshot
         return None
+
+
+def _snapshot(entry: Checkpoint, cache_dir, local_only: bool) -> Path:
+    """huggingface_hub's snapshot folder of the pinned revision, Kipp's files only."""
+    return Path(snapshot_download(repo_id=entry.id, revision=entry.revision,
+                                  allow_patterns=ALLOW_PATTERNS, cache_dir=cache_dir,
+                                  local_files_only=local_only))
 
 
 def verify_snapshot(checkpoint_id: str, folder) -> None:
@@ -115,9 +118,7 @@ def _fetch(entry: Checkpoint, cache_dir) -> Path:
         return cached
     local_only = entry.is_synthetic or _offline()  # no hub has synthetic checkpoints
     try:
-        return Path(snapshot_download(repo_id=entry.id, revision=entry.revision,
-                                      allow_patterns=ALLOW_PATTERNS, cache_dir=cache_dir,
-                                      local_files_only=local_only))
+        return _snapshot(entry, cache_dir, local_only)
     except LocalEntryNotFoundError as error:  # before OSError: it is a FileNotFoundError
         raise DownloadError(_not_cached_message(entry, cache_dir, error)) from None
     except HfHubHTTPError as error:  # repository/revision not found, gated, hub down

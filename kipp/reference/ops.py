@@ -2,12 +2,11 @@
 
 `linear` is where exactness is decided. The reference must give every token row bitwise the same
 result whatever batch it arrives in (batched eval, prefix adoption and chunked prefill are gated
-bitwise). BLAS does not promise that for matrix products: a row's summation order changes with
-the number of rows in the call (measured here). So each row is its own matrix-vector product
-against weight chunks whose shape depends only on the weight: the same calls, in the same order,
-whatever else is in the batch. The chunk (~4 MiB of float32) stays in cache across the rows of a
-prefill, which keeps this within ~15% of a blocked matrix product on this machine, and decode
-pays no padding.
+bitwise). BLAS does not promise that for matrix products: a row's summation order can change
+with the number of rows in the call. So each row is its own matrix-vector product against
+weight chunks whose shape depends only on the weight: the same calls, in the same order,
+whatever else is in the batch. The chunk (~4 MiB of float32) stays in cache across the rows of
+a prefill, which keeps this close to a blocked matrix product, and decode pays no padding.
 """
 
 from __future__ import annotations

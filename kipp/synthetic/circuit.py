@@ -1,67 +1,40 @@
-"""The circuit a synthetic checkpoint's weights implement: next tokens that need attention.
+"""How a synthetic checkpoint's weights compute its designed rule (kipp.synthetic.rule).
 
-kipp.synthetic.writer writes the files; this module decides every weight. The design goal: greedy
-output that a fault in attention, RoPE, the causal mask, the KV cache or its block table
-changes, while the logits stay peaked (a clear winner at every position) so rounding never
-flips an argmax. A successor table of the current token alone (synthetic-v2) could not see
-attention; this circuit predicts from two positions back, through the KV cache, and only while
-the attention softmax has its exact temperature.
-
-The designed next token after tokens t_0 .. t_p (`designed_next`), for LIVE tokens (N_LIVE
-common text pieces, `live_token_ids`) and a successor cycle pi through them (`successor`):
-
-    pi(t_{p-2})             if p >= 2, t_{p-2} is live and t_{p-1} != t_{p-2}     (main)
-    pi^21(t_p)              else, if t_p is live (21 steps along pi)             (fallback)
-    fallback(cluster(t_p))  else: every other token belongs to one of a few clusters
-
-Greedy text therefore runs three interleaved walks along pi. How the weights compute it, with
-the residual stream split into dedicated dimensions (`Dims`): a constant BIAS dimension; CODE,
-where a live token's embedding is a row of a Hadamard matrix (exactly orthogonal codes);
-NOISE, where the other tokens' embeddings (one direction per cluster) and every random
+The residual stream is split into dedicated dimensions (kipp.synthetic.layout.Dims): a constant
+BIAS; CODE, where a live token's embedding is a row of a Hadamard matrix (exactly orthogonal
+codes); NOISE, where the other tokens' embeddings (one direction per cluster) and every random
 weight's output live; and channels PREV, SWITCH, SIGMA, SIGMA2 that only the circuit writes.
-
-First layer, three positional heads. Their query and key read only BIAS, so after the per-head
-RMSNorm they are constant vectors and the score is a fixed function of the offset key - query,
-designed over RoPE's 64 frequency pairs (tools/design_rope_profiles.py): SELF (its own
-position, every other one 22 below), SCALE (its own position, the previous one exactly 10
-below: weight e^-10 there) and PREV (the previous position). Values copy CODE. PREV writes the
-previous token's code to PREV; SCALE minus SELF, written to SWITCH, is e^-10 times (previous
-code - own code): a measurement of the softmax's temperature. The first MLP multiplies SWITCH
-by PREV dimension by dimension (silu(a x) * y ~ a x y / 2 for small a x) and writes the sum to
-SIGMA: e^-10 |code|^2 when the previous token is live and differs from this one, 0 otherwise.
-An attention scale off by 10% moves e^-10 to e^-11: SIGMA drops to 37%.
-Last layer: a PREV-profiled head copies the previous position's PREV (the code of t_{p-2}) to
-SWITCH and its SIGMA to SIGMA2. The last MLP holds, per live token j, a pair of units that fire
-when SWITCH matches j's code AND SIGMA2 is near its designed value, and whose difference
-silu(g) - silu(g - 2) is a flat 2 once firing: the main write is exact whatever the noise.
-They write pi(j)'s output code; one unit per live token and per cluster writes the fallback,
-weaker. Every random head and unit writes only NOISE, so the channels stay clean and the
-random part still moves every logit (the NMSE gates see numerical faults there).
-
-Every fault of the issue-14 list changes greedy output: attention zeroed (no SWITCH, PREV:
-fallback), RoPE shifted by one (the heads attend one position off), causal mask off by one
-(SELF and SCALE prefer the next position, seen only if the mask leaks; excluding the diagonal
-loses SELF), decode K/V not stored (the positions read back are zeros), a block table off by
-one at a block boundary, attention scale x1.1 (SIGMA2 off). tests/test_synthetic.py plants each.
-
+The first layer measures the attention softmax's temperature (attention_tensor, _first_mlp);
+the last layer fetches t_{p-2}'s code and its MLP writes the designed token (_last_mlp). The
+logits stay peaked, so rounding never flips an argmax, while a fault in attention, RoPE, the
+mask, the KV cache or its block table changes greedy output (tests/test_synthetic.py plants
+each). Random heads and units write only NOISE, so the random part still moves every logit.
 Structured weights are quantization-friendly: each 32-weight block of a structured row holds
-one value or values of one magnitude, o_proj's SWITCH entries are +-15/16 (exact in Q4_0, Q4_1,
-and negated exactly in Q8_0), so quantized artifacts keep the circuit.
+one value or values of one magnitude; o_proj's SWITCH entries are +-15/16 (exact in Q4_0, Q4_1,
+and negated exactly in Q8_0).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
 from kipp.formats.registry import HEAD_DIM, KV_HEADS, Checkpoint
+from kipp.synthetic.layout import Dims, Roles
+from kipp.synthetic.positional import positional_qk, profile_scores, rope_profiles
+from kipp.synthetic.rule import (
+    N_LIVE,
+    cluster_fallback,
+    fallback_successor,
+    live_token_ids,
+    rng,
+    successor,
+    token_clusters,
+)
 
-N_LIVE = 64  # live tokens: a Hadamard code each in CODE (64 dims)
 FIRST_PADDING_ID = 151_669  # embedding rows from here on are padding no text maps to
 BIAS_RATIO = 2.0  # the BIAS dimension / a token embedding's norm
 CHANNEL = 0.5  # norm of PREV and SWITCH (as M2) writes / a token embedding's norm
@@ -76,7 +49,6 @@ NOISE_LOGIT_GAIN = 0.2  # final-norm weight on NOISE dims / on CODE dims
 NORM_NOISE = 0.1  # RMSNorm weights are (gain) * (1 + N(0, NORM_NOISE)) on token dimensions
 QK_NORM_GAIN = 2.0  # q/k RMSNorm gain of random layers: sharp attention
 STRUCTURED_QK_GAIN = 3.0  # q/k RMSNorm gain of the first and last layers (the profiles need it)
-FALLBACK_STEP = N_LIVE // 3  # the fallback predicts this many steps along pi
 NONLIVE_NOISE = 0.1  # a non-live token's own direction added to its cluster's (ties broken)
 SWITCH_GAIN = 0.02  # first-MLP gate input a x at nominal SWITCH: silu is linear there
 C_OUT = 15 / 16  # o_proj entries of the first layer's channels: exact in every scheme
@@ -89,191 +61,6 @@ AND_THETA = AND_A + 0.8 * AND_B - PLATEAU - 10.0
 # Fallback pairs: g = A m - THETA with m the match of the current token's code: past the
 # plateau (g >= PLATEAU + 8) for m >= 0.8, off (g <= -8) for m <= 0.2.
 FALLBACK_A, FALLBACK_THETA = 30.0, 14.0
-PUNCTUATION = (".", ",", "\u010a", ":", "(", ")", "!", "?")  # live pieces besides words
-_PROFILES = Path(__file__).parent.parent / "data" / "synthetic_rope_profiles.json"
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Where each part of the residual stream lives (block-aligned for quantization: no
-    structured row reads two kinds of dimension inside one 32-weight block)."""
-
-    hidden: int
-
-    bias = 0
-    sigma2 = 32
-    sigma = 64
-
-    def __post_init__(self):
-        if self.hidden < 256:
-            raise ValueError("the synthetic circuit needs hidden >= 256")
-
-    @property
-    def prev(self) -> np.ndarray:
-        return np.r_[1:32, 33:64, 65:67]
-
-    @property
-    def switch(self) -> np.ndarray:
-        return np.arange(96, 160)
-
-    @property
-    def code(self) -> np.ndarray:
-        return np.arange(160, 224)
-
-    @property
-    def noise(self) -> np.ndarray:
-        return np.r_[67:96, 224:self.hidden]
-
-    @property
-    def channels(self) -> np.ndarray:
-        """Every dimension only the circuit writes (bias, sigma, sigma2, prev, switch)."""
-        return np.r_[self.bias, self.sigma, self.sigma2, self.prev, self.switch]
-
-    @property
-    def clusters(self) -> int:
-        """Clusters of non-live tokens: one orthonormal NOISE direction each."""
-        return len(self.noise) // 32 * 32
-
-
-@dataclass(frozen=True)
-class Roles:
-    """Which heads and units of the first and last layer are structured."""
-
-    group: int  # query heads per KV head
-
-    @property
-    def self_head(self) -> int:
-        return 0
-
-    @property
-    def scale_head(self) -> int:
-        return 1
-
-    @property
-    def prev_head(self) -> int:
-        return self.group  # first query head of KV head 1
-
-    transport_head = 0  # last layer: first query head of KV head 0
-
-    def structured_heads(self, first: bool) -> set[int]:
-        return {0, 1, self.group} if first else {0}
-
-
-def rng(entry: Checkpoint, name: str) -> np.random.Generator:
-    """The (seed, name) random stream of a synthetic entry."""
-    import hashlib
-
-    words = np.frombuffer(hashlib.sha256(name.encode()).digest()[:16], dtype="<u4")
-    return np.random.default_rng(np.random.SeedSequence([entry.synthetic.seed,
-                                                         *words.tolist()]))
-
-
-@lru_cache(maxsize=1)
-def _vocab() -> dict[str, int]:
-    from kipp.text.tokenizer_files import tokenizer_json_bytes
-
-    return json.loads(tokenizer_json_bytes())["model"]["vocab"]
-
-
-@lru_cache(maxsize=1)
-def _live_token_ids() -> np.ndarray:
-    import re
-
-    vocab = _vocab()
-    words = sorted(i for piece, i in vocab.items() if re.fullmatch(r"\u0120[a-z]{2,}", piece))
-    ids = np.array(words[:N_LIVE - len(PUNCTUATION)] + [vocab[p] for p in PUNCTUATION])
-    ids.flags.writeable = False
-    return ids
-
-
-def live_token_ids(entry: Checkpoint | None = None) -> np.ndarray:
-    """The N_LIVE live tokens: the most frequent lower-case words (BPE ids follow merge
-    order) and common punctuation, so greedy text reads as words. Same for every entry."""
-    return _live_token_ids()
-
-
-def successor(entry: Checkpoint) -> np.ndarray:
-    """pi, as indices into live_token_ids: one random cycle through every live token."""
-    order = rng(entry, "successor").permutation(N_LIVE)
-    pi = np.empty_like(order)
-    pi[order] = np.roll(order, -1)
-    return pi
-
-
-def fallback_successor(entry: Checkpoint) -> np.ndarray:
-    """The fallback's map on live indices: FALLBACK_STEP steps along pi. Greedy text starts
-    with fallback steps, so its three walks along pi begin FALLBACK_STEP apart and stay
-    distinct for about N_LIVE tokens (one step apart they would repeat each token thrice)."""
-    pi = successor(entry)
-    out = np.arange(N_LIVE)
-    for _ in range(FALLBACK_STEP):
-        out = pi[out]
-    return out
-
-
-@lru_cache(maxsize=None)
-def token_clusters(entry: Checkpoint, matrix: str = "model.embed_tokens.weight") -> np.ndarray:
-    """The cluster of every row of token matrix `matrix` (used by non-live, non-padding rows);
-    drawn once per matrix (its rows are made a chunk at a time)."""
-    from kipp.formats.registry import VOCAB_SIZE
-
-    out = rng(entry, matrix + "/clusters").integers(0, Dims(entry.hidden).clusters, VOCAB_SIZE)
-    out.flags.writeable = False
-    return out
-
-
-def cluster_fallback(entry: Checkpoint) -> np.ndarray:
-    """The live token (index) each cluster's fallback predicts."""
-    return rng(entry, "cluster-fallback").integers(0, N_LIVE, Dims(entry.hidden).clusters)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """The designed next-token rule of one entry, as lookup tables (see module docstring)."""
-
-    live: np.ndarray  # [vocab] bool
-    index: np.ndarray  # [vocab] live index (or -1)
-    ids: np.ndarray  # live index -> token id
-    pi: np.ndarray  # live index -> live index
-    fallback: np.ndarray  # live index -> live index (FALLBACK_STEP steps along pi)
-    cluster_next: np.ndarray  # [vocab] token id predicted by the fallback of its cluster
-
-    def next(self, tokens) -> int:
-        """The designed greedy token after `tokens` (token ids, at least one)."""
-        p = len(tokens) - 1
-        if p >= 2:
-            a, b = int(tokens[p - 2]), int(tokens[p - 1])
-            if self.live[a] and a != b:
-                return int(self.ids[self.pi[self.index[a]]])
-        t = int(tokens[p])
-        if self.live[t]:
-            return int(self.ids[self.fallback[self.index[t]]])
-        return int(self.cluster_next[t])
-
-    def main_fires(self, tokens) -> bool:
-        p = len(tokens) - 1
-        return p >= 2 and bool(self.live[tokens[p - 2]]) and tokens[p - 2] != tokens[p - 1]
-
-    def continuation(self, tokens, n: int) -> list[int]:
-        """n designed greedy tokens after `tokens`."""
-        seq = [int(t) for t in tokens]
-        for _ in range(n):
-            seq.append(self.next(seq))
-        return seq[len(tokens):]
-
-
-@lru_cache(maxsize=None)
-def rule(entry: Checkpoint) -> Rule:
-    """The designed next-token rule of a synthetic entry."""
-    from kipp.formats.registry import VOCAB_SIZE
-
-    ids = live_token_ids(entry)
-    live = np.zeros(VOCAB_SIZE, bool)
-    live[ids] = True
-    index = np.full(VOCAB_SIZE, -1)
-    index[ids] = np.arange(N_LIVE)
-    cluster_next = ids[cluster_fallback(entry)[token_clusters(entry)]]
-    return Rule(live, index, ids, successor(entry), fallback_successor(entry), cluster_next)
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -309,66 +96,6 @@ def token_norm(entry: Checkpoint) -> float:
     return math.sqrt(entry.hidden)
 
 
-@lru_cache(maxsize=1)
-def rope_profiles() -> dict[str, np.ndarray]:
-    """{self, scale, prev: complex [64] coefficients A_i + i B_i} of the positional scores
-    score(delta) = sum_i A_i cos(theta_i delta) + B_i sin(theta_i delta)."""
-    data = json.loads(_PROFILES.read_text(encoding="utf-8"))
-    out = {}
-    for kind, p in data["profiles"].items():
-        c = np.zeros(HEAD_DIM // 2, complex)
-        c[:len(p["cos"])] = np.array(p["cos"]) + 1j * np.array(p["sin"])
-        out[kind] = c
-    return out
-
-
-def profile_scores(c: np.ndarray, deltas: np.ndarray, theta: float = 1e6) -> np.ndarray:
-    """score(delta) of profile coefficients c (float64)."""
-    freq = theta ** (-np.arange(HEAD_DIM // 2) / (HEAD_DIM // 2))
-    angles = np.outer(np.asarray(deltas, np.float64), freq)
-    return np.cos(angles) @ c.real + np.sin(angles) @ c.imag
-
-
-def positional_qk(profiles: list[np.ndarray], q_norm: np.ndarray, k_norm: np.ndarray):
-    """(k_pre [128], [q_pre [128] per profile]): pre-norm key and queries (each RMS 1) whose
-    per-head RMSNorm with weights q_norm / k_norm and RoPE give score(delta) of each profile.
-
-    Pair i of the key is (kappa_i, 0), kappa_i^2 proportional to the profiles' summed
-    amplitude there; pair i of a query is sqrt(128) c_i / kappa_i. Leftover energy (RMSNorm
-    makes every vector RMS 1) goes to pair 62 for queries and pair 63 for the key, where the
-    other side is zero.
-    """
-    half = HEAD_DIM // 2
-    weight = sum(np.abs(c) for c in profiles)
-    used = weight > 0
-    k_target = np.zeros(HEAD_DIM)
-    q_targets = [np.zeros(HEAD_DIM) for _ in profiles]
-    # Balance: key energy K^2 sum(weight) and query energy 128 sum(|c|^2/weight) / K^2.
-    k_energy = np.sum(weight[used] / k_norm[:half][used] ** 2)
-    q_energy = max(np.sum(np.abs(c[used]) ** 2 / weight[used] / q_norm[:half][used] ** 2)
-                   for c in profiles)
-    scale2 = math.sqrt(HEAD_DIM * q_energy / k_energy)
-    kappa = np.sqrt(scale2 * weight)
-    k_target[:half] = kappa
-    for c, q in zip(profiles, q_targets):
-        z = np.where(used, math.sqrt(HEAD_DIM) * c / np.where(used, kappa, 1.0), 0)
-        q[:half], q[half:] = z.real, z.imag
-    k_pre = _with_dump(k_target / k_norm, half - 1)
-    q_pres = [_with_dump(q / q_norm, half - 2) for q in q_targets]
-    return k_pre, q_pres
-
-
-def _with_dump(v: np.ndarray, pair: int) -> np.ndarray:
-    """v with its leftover energy (to RMS 1 over 128 dims) in dimension `pair`."""
-    energy = float(np.sum(v ** 2))
-    if energy > 0.97 * HEAD_DIM:
-        raise ValueError(f"positional profile needs energy {energy:.1f} > {HEAD_DIM}: raise "
-                         "STRUCTURED_QK_GAIN")
-    out = v.copy()
-    out[pair] = math.sqrt(HEAD_DIM - energy)
-    return out
-
-
 @lru_cache(maxsize=None)
 def _silu_square_mean(tau: float) -> float:
     """E[silu(g)^2] for g ~ N(0, tau^2), by Gauss-Hermite quadrature."""
@@ -379,7 +106,7 @@ def _silu_square_mean(tau: float) -> float:
 
 @dataclass(frozen=True)
 class Scales:
-    """Every magnitude of one entry's circuit (module docstring), derived from its shapes."""
+    """Every magnitude of one entry's circuit, derived from its shapes."""
 
     token: float  # N: norm of a token embedding's token part
     bias: float  # value of the BIAS dimension in every embedding row
@@ -411,8 +138,9 @@ def scales(entry: Checkpoint) -> Scales:
     }
     rms["final"] = math.sqrt(rms["last_mlp"] ** 2
                              + (MAIN_WRITE ** 2 + FALLBACK_WRITE ** 2) * e_tok / d)
-    gap = rope_profiles()["scale"]
-    g = float(profile_scores(gap, [0])[0] - profile_scores(gap, [-1])[0])
+    gap = rope_profiles(entry.rope_theta)["scale"]
+    g = float(profile_scores(gap, [0], entry.rope_theta)[0]
+              - profile_scores(gap, [-1], entry.rope_theta)[0])
     prev_weight = math.exp(-g) / (1 + math.exp(-g))
     # PREV = C_OUT * value * (CODE / rms): |CODE| = N, so |PREV| = CHANNEL * N needs:
     value = CHANNEL * rms["first_attention"] / C_OUT
@@ -541,7 +269,7 @@ def _random_write(entry: Checkpoint, name: str, shape, std: float) -> np.ndarray
 def _positional(entry: Checkpoint, layer: int):
     """{kv head: (k_pre, {query head: q_pre})} of the positional heads of `layer`."""
     roles = Roles(entry.query_heads // KV_HEADS)
-    p = rope_profiles()
+    p = rope_profiles(entry.rope_theta)
     q_norm = norm_weights(entry, _layer_name(layer, "self_attn.q_norm.weight"), "qk_norm")
     k_norm = norm_weights(entry, _layer_name(layer, "self_attn.k_norm.weight"), "qk_norm")
     if layer == 0:
@@ -566,7 +294,13 @@ def _random_part(entry: Checkpoint, name: str, shape, write_std: float | None) -
 
 def attention_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
     """q/k/v/o_proj of a layer, float32: random, with the circuit's heads in the first and
-    last layer (module docstring)."""
+    last layer (kipp.synthetic.positional's profiles).
+
+    First layer: SELF (own position), SCALE (own position, the previous one exactly 10 below:
+    weight e^-10 there) and PREV (previous position) copy CODE; PREV writes the previous
+    token's code to PREV, SCALE minus SELF writes e^-10 (previous code - own code) to SWITCH:
+    a measurement of the softmax's temperature. Last layer: a PREV head copies the previous
+    position's PREV (the code of t_{p-2}) to SWITCH and its SIGMA to SIGMA2."""
     layer = _layer_of(name)
     first, last = layer == 0, layer == entry.layers - 1
     out = _random_part(entry, name, shape, scales(entry).attention_write if kind == "o" else None)
@@ -641,6 +375,9 @@ def mlp_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
 
 
 def _first_mlp(entry: Checkpoint, out: np.ndarray, kind: str) -> None:
+    """SWITCH times PREV dimension by dimension (silu(a x) * y ~ a x y / 2 for small a x),
+    summed into SIGMA: e^-10 |code|^2 when the previous token is live and differs from this
+    one, 0 otherwise. An attention scale off by 10% moves e^-10 to e^-11: SIGMA drops to 37%."""
     dims, s, u = Dims(entry.hidden), scales(entry), np.arange(N_LIVE)
     if kind == "down":
         out[:, u] = 0.0
@@ -685,6 +422,9 @@ def _plateau(out, kind, first, count, reads, gate_rows, theta, bias, write, targ
 
 
 def _last_mlp(entry: Checkpoint, out: np.ndarray, kind: str) -> None:
+    """Per live token j, a plateau pair (_plateau) that fires when SWITCH matches j's code AND
+    SIGMA2 is near its designed value writes pi(j)'s output code, exactly whatever the noise;
+    one weaker pair per live token and per cluster writes the fallback."""
     dims, s = Dims(entry.hidden), scales(entry)
     units = np.arange(structured_units(entry))
     rms = s.rms["last_mlp"]

@@ -1,25 +1,17 @@
 """Synthetic checkpoints: seeded weights in a real Qwen3 Hugging Face folder.
 
-Kipp is developed where model weights cannot be downloaded, so the registry carries a few
-`kipp-synthetic/...` entries that this module writes from their seed: config.json,
-generation_config.json, BF16 safetensors (single file or sharded with an index), the upstream
-tokenizer files and a README. `transformers` loads the folder as it would a real Qwen3 repo.
+The registry's `kipp-synthetic/...` entries let Kipp be built and tested without downloading
+weights. This module writes them from their seed: config.json, generation_config.json, BF16
+safetensors (single file or sharded with an index), the upstream tokenizer files and a README;
+`transformers` loads the folder as it would a real Qwen3 repo. Only numpy, ml_dtypes and
+safetensors are used. Every tensor is a function of the seed and of random streams named after
+tensors, so output is byte-identical for a seed whatever the order or sharding of the writes.
 
-Only numpy, ml_dtypes and safetensors are used (no torch). Every tensor is a function of the
-seed and of random streams named after tensors ((seed, name) -> stream), so output is
-byte-identical for a seed whatever the order or sharding of the writes.
-
-Why not plain random weights. The gates compare argmax between implementations that differ
-only by rounding; with i.i.d. random weights the top two logits lie ~0.2 std apart and rounding
-flips them. And greedy-token checks (speculation, the scheduler, quantized artifacts, the MLX
-and JAX backends) only mean something if a bug in attention, RoPE or the KV cache changes the
-tokens. The weights therefore implement a small circuit (kipp.synthetic.circuit): the designed
-next token is the successor of the token two positions back, fetched through the KV cache by
-positional attention heads, and only while the attention softmax has its exact temperature;
-the winner's logit stands well clear of the rest at every position. `designed_rule(entry)`
-gives the designed greedy tokens; tests/test_synthetic.py shows that planted attention, RoPE,
-mask, KV and block-table faults change greedy output. Random heads and units, writing only
-dimensions no designed logit reads, keep every logit dependent on every formula.
+Why not plain random weights: their top two logits lie ~0.2 std apart, so rounding flips the
+argmax, and greedy-token checks mean something only if a bug in attention, RoPE or the KV cache
+changes the tokens. The weights implement a circuit instead (kipp.synthetic.rule says what it
+computes, kipp.synthetic.circuit how), with the winner's logit well clear of the rest;
+`designed_rule(entry)` gives the designed greedy tokens.
 """
 
 from __future__ import annotations
@@ -38,9 +30,11 @@ from tqdm.auto import tqdm
 
 from kipp.errors import RegistryError
 from kipp.formats import registry
+from kipp.formats.hf_source import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from kipp.formats.registry import HEAD_DIM, VOCAB_SIZE, Checkpoint
-from kipp.synthetic import circuit
-from kipp.synthetic.circuit import FIRST_PADDING_ID, live_token_ids, successor  # noqa: F401
+from kipp.synthetic import circuit, rule
+from kipp.synthetic.circuit import FIRST_PADDING_ID  # noqa: F401  (tests read it here)
+from kipp.synthetic.rule import live_token_ids, successor  # noqa: F401  (callers import them here)
 from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
 GENERATOR_VERSION = "synthetic-v4"  # bump when output bytes change; revisions name it
@@ -51,10 +45,10 @@ _CHUNK = 1 << 22  # elements drawn at a time, so no tensor is ever held in float
 _PROGRESS_BYTES = 256 << 20  # show a progress bar for checkpoints larger than this
 
 
-def designed_rule(entry: Checkpoint) -> circuit.Rule:
+def designed_rule(entry: Checkpoint) -> rule.Rule:
     """The designed greedy rule of a synthetic entry: `.next(tokens)`, `.continuation(tokens,
-    n)`, `.main_fires(tokens)` (see kipp.synthetic.circuit)."""
-    return circuit.rule(entry)
+    n)`, `.main_fires(tokens)` (see kipp.synthetic.rule)."""
+    return rule.rule(entry)
 
 
 def _token_matrix(entry: Checkpoint, name: str) -> np.ndarray:
@@ -169,7 +163,7 @@ def shard_plan(entry: Checkpoint) -> list[tuple[str, list[tuple[str, tuple, str]
     specs = tensor_specs(entry)
     count = entry.synthetic.shards
     if count == 1:
-        return [("model.safetensors", specs)]
+        return [(SINGLE_WEIGHTS_FILE, specs)]
     total = sum(_nbytes(shape) for _, shape, _ in specs)
     groups: list[list] = [[] for _ in range(count)]
     done = 0
@@ -211,8 +205,7 @@ def _write_weights(entry: Checkpoint, out: Path, progress: bool | None) -> None:
             shutil.copymode(out / "config.json", out / file)
             del tensors
     if len(plan) > 1:
-        _write_json(out / "model.safetensors.index.json", weight_index(entry), indent=2,
-                    sort_keys=True)
+        _write_json(out / INDEX_FILE, weight_index(entry), indent=2, sort_keys=True)
 
 
 def _vocab_and_merges(tokenizer_json: bytes) -> tuple[str, str]:
@@ -249,7 +242,7 @@ def readme(entry: Checkpoint) -> str:
         f"- shapes: hidden {entry.hidden}, intermediate {entry.intermediate}, layers "
         f"{entry.layers}, query heads {entry.query_heads}, 8 KV heads, head_dim 128, "
         f"{'tied' if entry.tied else 'untied'} output head\n"
-        f"- designed greedy rule: {circuit.N_LIVE} live tokens (frequent words and "
+        f"- designed greedy rule: {rule.N_LIVE} live tokens (frequent words and "
         "punctuation) in one successor cycle; the next token is the successor of the token "
         "two positions back when that one is live and differs from the previous one, else "
         "the successor of the current token (or its cluster's pick). The first layer's "
@@ -314,4 +307,4 @@ def layout_files(checkpoint_id: str) -> Iterator[str]:
     plan = shard_plan(entry)
     yield from (file for file, _ in plan)
     if len(plan) > 1:
-        yield "model.safetensors.index.json"
+        yield INDEX_FILE
