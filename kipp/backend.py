@@ -70,6 +70,12 @@ class EvalItem:
     def end_position(self) -> int:
         return self.start_position + len(self.tokens)
 
+    def slots(self, start: int, stop: int) -> np.ndarray:
+        """Physical slab rows of positions [start, stop) through the block table."""
+        positions = np.arange(start, stop)
+        table = np.asarray(self.block_table, np.int64)
+        return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
+
 
 class Backend(ABC):
     """A Qwen3 implementation behind Kipp's boundary. Subclasses implement `eval`."""

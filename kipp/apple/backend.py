@@ -141,7 +141,7 @@ class MLXBackend(Backend):
             item = items[p.item]
             n = p.stop - p.start
             pos = np.arange(item.start_position + p.start, item.start_position + p.stop)
-            visible = _slots(item, 0, item.start_position + p.stop)
+            visible = item.slots(0, item.start_position + p.stop)
             tokens.append(np.asarray(item.tokens[p.start:p.stop], np.int64))
             positions.append(pos)
             slots.append(visible[pos])
@@ -179,12 +179,6 @@ def _choose(path: str, kernel_runner) -> "select.Choice":
         raise KippError("a kernel runner was given with path='twins'")
     return select.Choice(True, f"kernels run by {getattr(kernel_runner, 'label', kernel_runner)}")
 
-
-def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
-    """Physical slab rows of positions [start, stop) through the item's block table."""
-    positions = np.arange(start, stop)
-    table = np.asarray(item.block_table, np.int64)
-    return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
 
 
 def _twin_layout(scheme: str, mode: str) -> str:

@@ -76,7 +76,8 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
         table = np.asarray(item.block_table[: blocks_needed(item.start_position + p.stop)])
         a.tokens[row:row + n] = item.tokens[p.start:p.stop]
         a.positions[row:row + n] = positions
-        a.slots[row:row + n] = table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
+        a.slots[row:row + n] = item.slots(item.start_position + p.start,
+                                          item.start_position + p.stop)
         a.query_index[s, :n] = np.arange(row, row + n)
         a.query_pos[s, :n] = positions
         a.token_query[row:row + n] = s * bucket.queries + np.arange(n)

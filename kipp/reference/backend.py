@@ -75,7 +75,7 @@ class ReferenceBackend(Backend):
         positions = np.concatenate([np.arange(item.start_position, item.end_position)
                                     for item in items])
         cos, sin = ops.rope_tables(positions, self.entry.rope_theta)
-        slots = np.concatenate([_slots(item, 0, item.end_position) for item in items])
+        slots = np.concatenate([item.slots(0, item.end_position) for item in items])
         for index, layer in enumerate(self.weights.layers):
             x = self._layer(index, layer, x, items, cos, sin, slots)
         return self._logits(x, items)
@@ -105,10 +105,10 @@ class ReferenceBackend(Backend):
         row = 0
         for item in items:
             n = len(item.tokens)
-            new = _slots(item, item.start_position, item.end_position)
+            new = item.slots(item.start_position, item.end_position)
             self.k_cache.store(index, new, k[row:row + n])
             self.v_cache.store(index, new, v[row:row + n])
-            visible = _slots(item, 0, item.end_position)
+            visible = item.slots(0, item.end_position)
             keys = self.k_cache.load(index, visible)  # [positions, 8, 128] float32
             values = self.v_cache.load(index, visible)
             grouped = q[row:row + n].reshape(n, KV_HEADS, -1, HEAD_DIM)  # [n, 8, group, 128]
@@ -163,12 +163,6 @@ class KVSlab:
             return kvquant.dequantize(self.q[layer, slots], self.d[layer, slots])
         return self.values[layer, slots].astype(np.float32)
 
-
-def _slots(item: EvalItem, start: int, stop: int) -> np.ndarray:
-    """Physical slab rows of positions [start, stop) through the item's block table."""
-    positions = np.arange(start, stop)
-    table = np.asarray(item.block_table, np.int64)
-    return table[positions // KV_BLOCK] * KV_BLOCK + positions % KV_BLOCK
 
 
 def make_backend(artifact: Artifact, num_blocks: int, *, weight_memory: str = "auto",
