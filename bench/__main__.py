@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 import time
@@ -37,6 +38,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CAMPAIGN_RUN = ["run", "--runs", "3", "--warmup", "1",
                 "--set", "kipp.decode_tokens=8", "--set", "kipp.skip=prefill2048",
                 "--set", "kipp@prefill512.warmup=0", "--set", "kipp@prefill512.runs=1"]
+EXPECT_HELP = ("words a Kipp backend's describe() must contain instead of its fast path's, e.g. "
+               "jax=twin for JAX's twins on a GPU machine (without a GPU they are the default)")
 CAMPAIGN_PPL = ["ppl", "--tokens", "256", "--window", "128"]
 CAMPAIGN_INTEROP = ["interop", "--prompts", "2"]
 
@@ -296,21 +299,33 @@ def json_ok(path) -> bool:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    sub = functools.partial(_subcommand, commands)
+    for add in (_add_setup_commands, _add_run_command, _add_record_commands, _add_server_command,
+                _add_engine_command, _add_kernels_command):
+        add(sub)
+    return parser
 
-    def sub(name, text, checkpoint=True, schemes=SCHEMES, results=True):
-        p = commands.add_parser(name, help=text)
-        if checkpoint:
-            p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
-        if schemes:
-            p.add_argument("--schemes", default=schemes, help="comma list")
-        if results:
-            p.add_argument("--results", default=str(RESULTS))
-        return p
 
+def _subcommand(commands, name, text, checkpoint=True, schemes=SCHEMES, results=True):
+    """A command's parser with the shared --checkpoint, --schemes and --results flags."""
+    p = commands.add_parser(name, help=text)
+    if checkpoint:
+        p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
+    if schemes:
+        p.add_argument("--schemes", default=schemes, help="comma list")
+    if results:
+        p.add_argument("--results", default=str(RESULTS))
+    return p
+
+
+def _add_setup_commands(sub) -> None:
     p = sub("prepare", "make the HF folder and artifacts", results=False)
     p.add_argument("--mlx", action="store_true", help="also mlx-lm's own 8/4-bit conversions")
     p = sub("peers", "engines available here", checkpoint=False, schemes=None, results=False)
     p.add_argument("--python", action="append", metavar="ENGINE=PATH")
+
+
+def _add_run_command(sub) -> None:
     p = sub("run", "interleaved head-to-head")
     p.add_argument("--engines", default=DEFAULT_ENGINES)
     p.add_argument("--with", dest="with_", default="", help="optional engines: vllm,mlx_lm")
@@ -323,13 +338,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="per-arm sizing: runs, warmup, decode_tokens, skip")
     p.add_argument("--threads", type=int, default=None, help="default: usable cores")
     p.add_argument("--python", action="append", metavar="ENGINE=PATH")
-    p.add_argument("--expect-path", action="append", metavar="BACKEND=WORDS")
+    p.add_argument("--expect-path", action="append", metavar="BACKEND=WORDS", help=EXPECT_HELP)
     p.add_argument("--no-ceiling", action="store_true")
     p.add_argument("--ceiling-mb", type=int, default=512)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measured run")
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
     p.add_argument("--weight-memory", default="", help="Kipp arms per weight layout, comma "
                    "list of stored,float32 (default: each backend's auto choice)")
+
+
+def _add_record_commands(sub) -> None:
+    """ceiling, ppl, interop, report, campaign."""
     p = sub("ceiling", "memory bandwidth ceiling")
     p.add_argument("--ceiling-mb", type=int, default=512)
     p.add_argument("--runs", type=int, default=7)
@@ -349,6 +368,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--with", dest="with_", default="", help="optional engines: vllm,mlx_lm")
     p.add_argument("--python", action="append", metavar="ENGINE=PATH",
                    help="interpreter for an engine's worker (passed to run)")
+
+
+def _add_server_command(sub) -> None:
     p = sub("server", "server workloads: concurrent clients and prefix-reuse TTFT",
             checkpoint=False, schemes=None, results=False)
     p.add_argument("--model", "--checkpoint", dest="checkpoint", default=DEFAULT_CHECKPOINT,
@@ -369,8 +391,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke sizes (clients 1,2, one round, short prompts), results in /tmp")
     p.add_argument("--mode", default="interleaved", choices=["interleaved", "sequential"])
-    p.add_argument("--expect-path", action="append", metavar="BACKEND=WORDS",
-                   help="accept a named Kipp path, e.g. jax=twin for JAX on a CPU")
+    p.add_argument("--expect-path", action="append", metavar="BACKEND=WORDS", help=EXPECT_HELP)
     p.add_argument("--python", action="append", metavar="SERVER=PATH",
                    help="interpreter per server (default .venv, .venv-bench, .venv-vllm)")
     p.add_argument("--artifact", help="GGUF for kipp and llama_cpp (default: the registry's)")
@@ -382,6 +403,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
+
+
+def _add_engine_command(sub) -> None:
     p = sub("engine", "Kipp against itself: server vs raw, batch scaling, reused-prompt TTFT",
             schemes=None)
     p.add_argument("--scheme", default="bf16")
@@ -396,16 +420,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-tokens", type=int, default=8, help="decode steps after the reuse")
     p.add_argument("--threads", type=int, default=None, help="default: usable cores")
     p.add_argument("--expect-path", default=None, metavar="WORDS",
-                   help="words the backend's describe() must contain, e.g. twin (JAX on a CPU)")
+                   help="words the backend's describe() must contain instead of its fast "
+                   "path's (jax on a machine without a GPU: twin)")
     p.add_argument("--kipp-source", default=None, metavar="DIR",
                    help="run the server and worker on this checkout's kipp package (before)")
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
+
+
+def _add_kernels_command(sub) -> None:
     p = sub("kernels", "H200 compile report of every kernel shape", checkpoint=False,
             schemes=None, results=False)
     p.add_argument("--only", default="", help="cases whose id or checkpoints contain this")
     p.add_argument("--render-only", action="store_true", help="re-render the newest record")
     p.add_argument("--no-readme", action="store_true", help="leave bench/README.md alone")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench import engines
 from bench.engines.base import ArmSpec
+from bench.fallback import expected_path
 
 SIZING_KEYS = ("runs", "warmup", "decode_tokens", "skip")
 
@@ -104,7 +105,7 @@ def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends:
             if name == "kipp":
                 modes = [{"weight_memory": m} for m in weight_memory or []] or [{}]
                 arms += [replace(base, backend=b, artifact=artifact, options=mode,
-                                 expect_path=expect_paths.get(b))
+                                 expect_path=expected_path(b, expect_paths.get(b)))
                          for b in backends for mode in modes]
             elif scheme in info.schemes:
                 arms.append(replace(base, artifact=artifact if info.weights == "artifact" else "",

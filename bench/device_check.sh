@@ -15,7 +15,7 @@
 # The last table sets the measured kernel path against the H200 compile report's predicted tok/s
 # (`python -m bench kernels`, bench/README.md). Every stage has its own time limit, so one that hangs or fails still leaves the others and
 # the table. Logs and JSON rows go to $OUT (the device tool's folder) or /tmp/kipp-device-check.
-# Targets (issue 6): decode >= 60% of the HBM roofline single-stream (BF16), and batched
+# Targets: decode >= 60% of the HBM roofline single-stream (BF16), and batched
 # aggregate decode >= 6x from 1 to 8 sequences.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -28,22 +28,11 @@ CHECKPOINT=kipp-synthetic/qwen3-0.6b-shape
 mkdir -p "$LOGS" "$KIPP_HOME"
 rm -f "$LOGS/bench.jsonl"
 START=$(date +%s)
-RESULTS=()
-
-stage() {  # stage NAME SECONDS command...: run with a limit, log, record PASS/FAIL
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name (limit ${limit}s, t=$(( $(date +%s) - START ))s)"
-  local began=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
-  local code=$?
-  local took=$(( $(date +%s) - began ))
-  if [ $code -eq 0 ]; then RESULTS+=("$name|PASS|${took}s")
-  else RESULTS+=("$name|FAIL (exit $code)|${took}s"); fi
-}
+. bench/stages.sh
 
 # Limits add up to 545 s: run with the device tool's timeout_s of about 600.
-stage env 20 bash -c "nvidia-smi -L; $PY -c 'import jax; print(jax.__version__, jax.devices())'"
+stage env 20 bash -c "nvidia-smi -L; $PY -c 'import jax; print(jax.__version__, jax.devices())' &&
+  $PY -c 'from bench.fallback import gpu_present; assert gpu_present(), \"gpu_present() is False\"'"
 
 stage doctor 75 "$PY" -m kipp.cli doctor --backend jax --json "$LOGS/doctor.json"
 export KIPP_KERNEL_FALLBACK=0
@@ -69,14 +58,9 @@ stage bench-q8_0 40 "$PY" "${BENCH[@]}" "$(artifact q8_0)" --batch 1
 stage bench-bf16-twins 30 env KIPP_JAX_TWINS=1 "$PY" "${BENCH[@]}" "$(artifact bf16)" --batch 1
 
 echo
-echo "== kipp doctor"; sed -n '/^```$/,/^```$/p' "$LOGS/doctor.log" || true
+echo "== kipp doctor"; doctor_summary
 echo
-echo "== summary (total $(( $(date +%s) - START ))s)"
-printf '%-18s %-16s %s\n' stage result time
-for row in "${RESULTS[@]}"; do
-  IFS='|' read -r a b c <<< "$row"
-  printf '%-18s %-16s %s\n' "$a" "$b" "$c"
-done
+summary_table
 "$PY" - "$LOGS/bench.jsonl" <<'EOF'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []

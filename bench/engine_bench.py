@@ -1,7 +1,7 @@
 """Engine-level figures this machine can measure: Kipp against itself, every ratio in one run.
 
     python -m bench engine --checkpoint kipp-synthetic/qwen3-0.6b-shape --backend jax \
-        --rounds 3 --warmup 1 --expect-path jax=twin [--kipp-source DIR]
+        --rounds 3 --warmup 1 [--kipp-source DIR]
 
 One `kipp serve` and one Kipp worker process (bench/worker.py, the harness's raw engine arm) on
 the same artifact and backend, both loaded for the whole run. Each round visits, in this order:
@@ -12,7 +12,7 @@ the same artifact and backend, both loaded for the whole run. Each round visits,
               server's single-stream decode rate, (tokens - 1) / (last - first token), and from
               /metrics the engine's own step time (kipp_engine_step_seconds) and, of it, the
               backend's eval time: the scheduler's time per step is their difference
-    c=1, c=N  `bench server`'s aggregate round (bench/server_bench.py) with 1 and with
+    c=1, c=N  `bench server`'s aggregate round (bench/server_client.py) with 1 and with
               --clients streams: total completion tokens / wall time
     reuse     a fresh ~2,000-token prompt sent cold (max_tokens 1), then again at once with
               --reuse-tokens + 1 tokens: its time to first token, and the decode step at that
@@ -43,7 +43,7 @@ from pathlib import Path
 from bench import provenance, records
 from bench.engines.base import ArmSpec
 from bench.process import ArmProcess, WorkerError
-from bench.server_bench import PromptBook, aggregate_round, end_token_ids, stream_completion
+from bench.server_client import PromptBook, aggregate_round, end_token_ids, stream_completion
 from bench.servers import RunningServer, kipp_server, log
 from bench.stats import summarize
 
@@ -122,24 +122,25 @@ class Under:
 
 def start(config: EngineBenchConfig, under: Under) -> tuple[RunningServer, ArmProcess, dict]:
     """The server and the worker, loaded and path-checked; info for the records."""
-    from bench.fallback import check_kernel_path
+    from bench.fallback import check_kernel_path, expected_path
     from kipp.formats import store
 
+    expect = expected_path(config.backend, config.expect_path)
     artifact = config.artifact or str(store.ensure_artifact(config.checkpoint, config.scheme))
     spec = kipp_server(artifact, backend=config.backend, python=_python(), threads=config.threads,
                        scheme=config.scheme, kv_tokens=max(8192, 2 * config.context),
-                       max_batch=config.clients, expect_path=config.expect_path)
+                       max_batch=config.clients, expect_path=expect)
     spec.env.update(under.env)
     server = RunningServer(spec, config.logs / "engine-bench-server.log", cwd=under.cwd)
     arm = ArmSpec("kipp", config.scheme, config.checkpoint, backend=config.backend,
                   artifact=artifact, threads=config.threads, context=2 * config.context,
-                  expect_path=config.expect_path)
+                  expect_path=expect)
     worker = ArmProcess(arm, _python(), config.logs / "engine-bench-worker.log", env=under.env,
                         cwd=under.cwd)
     try:
         server.wait_ready()
         described = (server.card.get("kipp") or {}).get("backend", "")
-        check_kernel_path(config.backend, config.scheme, described, config.expect_path)
+        check_kernel_path(config.backend, config.scheme, described, expect)
         loaded = worker.request({"op": "load", "spec": arm.to_json()}, 900.0)["info"]
     except Exception:
         server.stop()
@@ -263,7 +264,7 @@ def _aggregate(server: RunningServer, config: EngineBenchConfig, prompts: list[s
 
 
 def _ids(prompt: dict) -> list[int]:
-    from bench.server_bench import _tokenizer
+    from bench.server_client import _tokenizer
 
     return _tokenizer().encode(prompt["text"])
 
@@ -323,8 +324,6 @@ def _protocol(config: EngineBenchConfig, elapsed: float) -> dict:
             "timer": "time.perf_counter in the client and in the worker",
             "statistics": "per-round values; median and raw MAD over the measured rounds"}
 
-
-# -- records --------------------------------------------------------------------------------------
 
 WORKLOADS = {
     "server_overhead": ("the server's single-stream decode rate over the raw backend step rate, "

@@ -14,7 +14,7 @@ prefill steps are excluded). Arms, interleaved in every round:
 The scheduler's default is json-ahead where the backend evaluates off the host CPU and json-sync
 on a CPU backend (kipp.text.grammar.masks_ahead); the goal applies to the default. The value is
 seconds per decode step (all streams advance one token); the overhead is the median over rounds
-of each round's arm / plain ratio of the median step, with its MAD. Goal (issue 19): <= 1.05.
+of each round's arm / plain ratio of the median step, with its MAD. Goal: <= 1.05.
 
 On a loaded machine two step times differ by more than the grammar costs, so each constrained
 step's grammar work on the engine thread is also accounted directly: the time spent waiting for
@@ -72,7 +72,7 @@ def run_arm(model, prompt: list[int], streams: int, tokens: int, arm: str, seed:
     steps, grammar_s = [], []
     try:
         while True:
-            decoding = all(c.state == "decode" for r in scheduler._running for c in r.choices) \
+            decoding = all(not c.in_prompt for r in scheduler._running for c in r.choices) \
                 and len(scheduler._running) == streams
             spent[0] = 0.0
             start = time.perf_counter()

@@ -37,7 +37,7 @@ def _median_ms(fn, runs: int = 5) -> float:
 def _linear_rows(rng) -> list[tuple]:
     import mlx.core as mx
 
-    from kipp.apple import linear, repack
+    from kipp.apple import layout, linear, repack
     from kipp.formats import quant
 
     rows = []
@@ -49,12 +49,12 @@ def _linear_rows(rng) -> list[tuple]:
             dense = quant.dequantize(raw, fmt, k)
             if fmt == "bf16":
                 kern = linear.Linear(fmt, n, k, planes=(mx.array(raw.view("<u2")),))
-                twin = linear.twin_of(dense, "f32", k)
+                twin = layout.twin_of(dense, "f32", k)
             else:
                 p = repack.to_planes(raw, fmt, k)
                 kern = linear.Linear(fmt, n, k, planes=tuple(
                     mx.array(a) for a in (p.q, p.d, p.m) if a is not None))
-                twin = linear.twin_of(raw, fmt, k)
+                twin = layout.twin_of(raw, fmt, k)
             x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
             want = np.asarray(x, np.float64) @ dense.astype(np.float64).T
             got_k = np.array(linear.linear_kernel(x, kern))

@@ -14,7 +14,7 @@
 #      Qwen3-0.6B-shaped synthetic checkpoint; mlx-lm's own 8-bit and 4-bit group-32 conversions
 #      for the quantized schemes) through the benchmark harness, which refuses to record a Kipp
 #      arm whose describe() does not say it ran the Metal kernels.
-# Then a summary table. Targets (issue 8): decode >= 1.1x mlx-lm, prefill >= 2x.
+# Then a summary table. Targets: decode >= 1.1x mlx-lm, prefill >= 2x.
 #
 #   bash bench/mac_check.sh           # from anywhere; sets up .venv-mac on first use
 #
@@ -33,22 +33,7 @@ CHECKPOINT=kipp-synthetic/qwen3-0.6b-shape
 SCHEMES=bf16,q8_0,affine4_gs32
 mkdir -p "$LOGS"
 START=$(date +%s)
-RESULTS=()
-
-# macOS has no coreutils `timeout`; perl's alarm does the same job.
-limit() { local seconds=$1; shift; perl -e 'alarm shift; exec @ARGV' "$seconds" "$@"; }
-
-stage() {  # stage NAME SECONDS command...: run with a limit, log, record PASS/FAIL
-  local name=$1 seconds=$2
-  shift 2
-  echo "== $name (limit ${seconds}s, t=$(( $(date +%s) - START ))s)"
-  local began=$(date +%s)
-  limit "$seconds" "$@" 2>&1 | tee "$LOGS/$name.log"
-  local code=$?
-  local took=$(( $(date +%s) - began ))
-  if [ $code -eq 0 ]; then RESULTS+=("$name|PASS|${took}s")
-  else RESULTS+=("$name|FAIL (exit $code)|${took}s"); fi
-}
+. bench/stages.sh
 
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
@@ -77,18 +62,11 @@ stage bench 1800 "$PY" -m bench run --checkpoint "$CHECKPOINT" --engines kipp --
   --runs 5 --warmup 1 --decode-tokens 128 --results "$LOGS/results"
 
 echo
-echo "== summary ($(( $(date +%s) - START ))s; logs in $LOGS)"
-printf '%-16s %-16s %s\n' stage result time
-for row in "${RESULTS[@]}"; do
-  IFS='|' read -r name result took <<< "$row"
-  printf '%-16s %-16s %s\n' "$name" "$result" "$took"
-done
+summary_table
 echo
-echo "kipp doctor:"; sed -n '/^```$/,/^```$/p' "$LOGS/doctor.log" || true
+echo "kipp doctor:"; doctor_summary
 echo "kernel vs twin vs reference:"; grep -E "kernel rows|FAIL" "$LOGS/kernels.log" || true
 echo "whole model on the kernels:"; tail -n 17 "$LOGS/gates-kernels.log" || true
 echo "Kipp (mlx, Metal kernels) vs mlx-lm, same weights, same session:"
 sed -n '/^decode: /,$p' "$LOGS/bench.log" || true  # bench's summary: medians, MADs, ratios
-for row in "${RESULTS[@]}"; do
-  case "$row" in *FAIL*) exit 1 ;; esac
-done
+if any_failed; then exit 1; fi

@@ -100,9 +100,10 @@ def load_models(checkpoint: str, schemes: Sequence[str], backend: str, kv_tokens
                 expect_path=None) -> tuple[dict, dict]:
     """({scheme: Model}, {scheme: describe()}) from the prepared artifacts, fallback-checked."""
     import kipp
-    from bench.fallback import check_kernel_path
+    from bench.fallback import check_kernel_path, expected_path
     from kipp.formats import store
 
+    expect_path = expected_path(backend, expect_path)
     models, described = {}, {}
     for scheme in schemes:
         path = store.artifact_path(checkpoint, scheme)

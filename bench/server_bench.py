@@ -1,55 +1,40 @@
-"""The server workloads: one client script, the same requests, against any OpenAI-compatible server.
+"""The server workloads against any OpenAI-compatible server, the same client and requests for each.
 
     python -m bench server --model kipp-synthetic/qwen3-0.6b-shape --scheme bf16 \
-        --servers kipp,llama_cpp,vllm --clients 1,2,4,8 --rounds 3 --expect-path jax=twin
+        --servers kipp,llama_cpp,vllm --clients 1,2,4,8 --rounds 3
 
-Servers (`--servers`, launchers in bench/servers.py): kipp (`kipp serve`, --backend jax by
-default), llama_cpp (llama-cpp-python's `llama_cpp.server`, same GGUF), llama_cpp_cache (the same
-with its RAM prompt cache on), vllm (vLLM's CPU OpenAI server on the HF folder).
+Servers (launchers in bench/servers.py): kipp (`kipp serve`, --backend jax by default), llama_cpp
+(llama-cpp-python's `llama_cpp.server`, same GGUF), llama_cpp_cache (the same with its RAM prompt
+cache on), vllm (vLLM's CPU OpenAI server on the HF folder). Two workloads, one record each:
 
-Two workloads, one record each (type "throughput", the harness's schema), every server measured in
-the same run with the same client code:
+    server_aggregate  N concurrent greedy streaming clients (--clients), end-of-generation tokens
+                      banned so each runs to --max-tokens: total completion tokens / round wall
+                      time (first request sent to last stream closed); per client, decode rate
+                      (tokens - 1) / (last - first token time) and TTFT.
+    ttft_prefix       TTFT of a --ttft-tokens prompt: cold, reused at once, and reused after
+                      --others other prompts (max_tokens 1; a fresh prompt every round).
 
-    server_aggregate  N concurrent streaming clients (N in --clients), each with its own prompt
-                      (--prompt-tokens) and max_tokens (--max-tokens), greedy (temperature 0,
-                      seed 0), the end-of-generation tokens banned through logit_bias so every
-                      stream runs to max_tokens. Value: total completion tokens / wall time of the
-                      round (first request sent to last stream closed). Also per client:
-                      decode rate (tokens - 1) / (last-token time - first-token time) and TTFT.
-    ttft_prefix       time to first token of a ~2,000-token prompt (--ttft-tokens): cold (first
-                      time it is sent), reused (sent again at once), and interleaved (sent a
-                      third time after --others other ~500-token prompts). max_tokens 1. Each
-                      round uses a prompt no earlier request shares a prefix with.
-
-Protocol. All servers are started together and visited in turn (`--mode interleaved`, the
-default): in every round, for each client count every server runs its aggregate round, then
-every server runs its TTFT sequence; the server order rotates by one each round. Rounds before
---warmup are discarded (kept as `warmup_runs`: JAX compiles its step shapes then). Medians and
-MADs are over the measured rounds. `--mode sequential` instead runs one server at a time (all its
-rounds, then stop it), for machines without memory for all three at once.
-
-Prompts are corpus text (bench/prompts.py) cut so that Kipp's tokenizer encodes each one to
-exactly the requested number of tokens and decodes it back unchanged; every server gets the same
-text (llama-cpp-python's server takes no token-id prompts) and every record keeps the prompt
-token counts each server reported. Token counts come from each stream's final usage chunk
-(`stream_options.include_usage`); a server that sends none (llama-cpp-python) is counted as
-max_tokens when its stream ends with finish_reason "length" (exact: it stopped because it had
-generated max_tokens), and the source of each count is in the record.
+Servers take turns each round (`--mode interleaved`; `sequential` runs one at a time, for machines
+without memory for all); warm-up rounds are kept apart. The client: bench/server_client.py.
 """
 
 from __future__ import annotations
 
-import functools
-import http.client
 import json
-import math
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from bench import provenance, records
+from bench.fallback import expected_path
+from bench.server_client import (
+    END_TOKENS,
+    PromptBook,
+    aggregate_round,
+    end_token_ids,
+    tokenization_check,
+    ttft_round,
+)
 from bench.servers import (
     SERVERS,
     RunningServer,
@@ -62,13 +47,9 @@ from bench.servers import (
     log,
     vllm_server,
 )
-from bench.stats import median, summarize
+from bench.stats import summarize
 
-# Tokens that end a generation in llama.cpp's Qwen3 vocabulary (its end-of-generation set) and in
-# Kipp's and vLLM's; banned with logit_bias -100 so every stream runs to max_tokens.
-END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 PHASES = ("cold", "reused", "interleaved")
-PREFIX_METRIC_WORDS = ("prefix", "cache_hit", "reused")
 
 
 @dataclass
@@ -120,235 +101,6 @@ class ServerBenchConfig:
         return -(-(longest + 64) // 512) * 512
 
 
-# -- prompts ------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer():
-    """Kipp's tokenizer with the base config (the Qwen3 vocabulary every server shares)."""
-    import tempfile
-
-    from kipp.text.tokenizer import Tokenizer
-    from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
-
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer_json = Path(folder) / "tokenizer.json"
-        config_json = Path(folder) / "tokenizer_config.json"
-        tokenizer_json.write_bytes(tokenizer_json_bytes())
-        config_json.write_text(json.dumps(tokenizer_config("base")))
-        return Tokenizer.from_files(tokenizer_json, config_json)
-
-
-def end_token_ids() -> list[int]:
-    tokenizer = _tokenizer()
-    ids = [tokenizer.token_to_id(name) for name in END_TOKENS]
-    return sorted({i for i in ids if i is not None})
-
-
-class PromptBook:
-    """Corpus prompts of exact token counts, no two sharing their first 16 tokens (so no server
-    can reuse one prompt's KV for another), the same text for every server."""
-
-    KEY = 16
-    STRIDE = 7919  # a prime: successive prompts start far apart in the corpus
-
-    def __init__(self):
-        from bench.prompts import corpus_tokens
-
-        self.corpus = corpus_tokens()
-        self.used: set[tuple[int, ...]] = set()
-        self.next = 0
-        self.cache: dict[tuple, dict] = {}
-
-    def get(self, key: tuple, length: int) -> dict:
-        """The prompt named `key` (made on first use): {"text", "tokens", "offset"}."""
-        if key not in self.cache:
-            self.cache[key] = self._make(length)
-        return self.cache[key]
-
-    def _make(self, length: int) -> dict:
-        tokenizer = _tokenizer()
-        n = len(self.corpus)
-        for _ in range(2000):
-            offset = self.next % n
-            self.next += self.STRIDE
-            ids = [self.corpus[(offset + i) % n] for i in range(length)]
-            head = tuple(ids[: self.KEY])
-            if head in self.used:
-                continue
-            text = tokenizer.decode(ids)
-            if tokenizer.encode(text) != ids:  # cut inside a character or a merge: next one
-                continue
-            self.used.add(head)
-            return {"text": text, "tokens": length, "offset": offset}
-        raise RuntimeError(f"no round-trip-stable {length}-token prompt found in the corpus")
-
-
-# -- the client ---------------------------------------------------------------------------------
-
-
-class ClientError(RuntimeError):
-    """A request was refused or its stream broke."""
-
-
-def stream_completion(url: str, model: str, prompt: str, max_tokens: int, ban: list[int],
-                      timeout: float) -> dict:
-    """One streamed /v1/completions request; times are time.perf_counter() values."""
-    parts = urlsplit(url)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "seed": 0, "stream": True, "stream_options": {"include_usage": True}}
-    if ban:
-        body["logit_bias"] = {str(t): -100 for t in ban}
-    payload = json.dumps(body).encode()
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        sent = time.perf_counter()
-        conn.request("POST", "/v1/completions", body=payload,
-                     headers={"Content-Type": "application/json",
-                              "Accept": "text/event-stream"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise ClientError(f"HTTP {response.status}: "
-                              f"{response.read().decode('utf-8', 'replace')[:500]}")
-        first = last = None
-        chunks, text, finish, usage, timings, done = 0, [], None, None, None, False
-        while True:
-            line = response.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue  # blank separators, ": ping" comments, "event:" lines
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            now = time.perf_counter()
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ClientError(f"error in stream: {chunk['error']}")
-            choices = chunk.get("choices") or []
-            if choices:
-                chunks += 1
-                first = now if first is None else first
-                last = now
-                for choice in choices:
-                    text.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("timings"):
-                timings = chunk["timings"]
-        ended = time.perf_counter()
-    finally:
-        conn.close()
-    if first is None:
-        raise ClientError("the stream carried no token")
-    if not done:
-        raise ClientError("the stream ended without data: [DONE]")
-    if usage and usage.get("completion_tokens") is not None:
-        tokens, source = int(usage["completion_tokens"]), "usage"
-    elif finish == "length":
-        tokens, source = max_tokens, "finish_reason=length"
-    else:
-        tokens, source = chunks, "streamed chunks (approximate)"
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    return {"sent": sent, "first": first, "last": last, "ended": ended, "chunks": chunks,
-            "completion_tokens": tokens, "count_source": source, "finish_reason": finish,
-            "prompt_tokens": (usage or {}).get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens"), "timings": timings,
-            "text_chars": sum(len(t) for t in text)}
-
-
-def _positive(seconds: float, what: str) -> float:
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise ClientError(f"non-positive {what}: {seconds!r} (clock or harness bug)")
-    return seconds
-
-
-def aggregate_round(url: str, model: str, prompts: list[str], max_tokens: int, ban: list[int],
-                    timeout: float) -> dict:
-    """All prompts at once, one streaming client thread each; the round's numbers."""
-    n = len(prompts)
-    barrier = threading.Barrier(n + 1)
-    got: list[dict | None] = [None] * n
-    errors: list[str] = []
-
-    def client(i: int) -> None:
-        barrier.wait()
-        try:
-            got[i] = stream_completion(url, model, prompts[i], max_tokens, ban, timeout)
-        except Exception as e:  # recorded, the round fails as a whole
-            errors.append(f"client {i}: {type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    for t in threads:
-        t.join(timeout + 60)
-    if errors or any(g is None for g in got):
-        raise ClientError("; ".join(errors) or "a client did not finish")
-    start = min(g["sent"] for g in got)
-    wall = _positive(max(g["ended"] for g in got) - start, "round wall time")
-    total = sum(g["completion_tokens"] for g in got)
-    per_client = []
-    for g in got:
-        span = g["last"] - g["first"]
-        rate = (g["completion_tokens"] - 1) / span if g["completion_tokens"] > 1 and span > 0 \
-            else None
-        per_client.append({
-            "completion_tokens": g["completion_tokens"], "count_source": g["count_source"],
-            "finish_reason": g["finish_reason"], "prompt_tokens": g["prompt_tokens"],
-            "cached_tokens": g["cached_tokens"], "chunks": g["chunks"],
-            "sent_s": g["sent"] - start, "ttft_s": _positive(g["first"] - g["sent"], "TTFT"),
-            "last_token_s": g["last"] - start, "ended_s": g["ended"] - start,
-            "decode_tok_s": rate, "server_timings": g["timings"]})
-    rates = [c["decode_tok_s"] for c in per_client if c["decode_tok_s"]]
-    first_token = min(g["first"] for g in got)
-    last_token = max(g["last"] for g in got)
-    decode_window = last_token - first_token
-    return {"value": total / wall, "wall_s": wall, "completion_tokens": total, "clients": n,
-            "max_tokens": max_tokens,
-            "decode_window_tok_s": (total - n) / decode_window if decode_window > 0 else None,
-            "per_client_decode_tok_s_median": (median(rates) if rates else None),
-            "per_client": per_client}
-
-
-def _prefix_metrics(server: RunningServer) -> dict[str, float]:
-    metrics = server.metrics() or {}
-    return {k: v for k, v in metrics.items()
-            if any(w in k.lower() for w in PREFIX_METRIC_WORDS) and not k.endswith("_created")}
-
-
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
-
-
-def ttft_request(server: RunningServer, prompt: str, ban: list[int], timeout: float) -> dict:
-    before = _prefix_metrics(server)
-    got = stream_completion(server.url, server.model_id, prompt, 1, ban, timeout)
-    after = _prefix_metrics(server)
-    return {"value": _positive(got["first"] - got["sent"], "TTFT"),
-            "ttft_s": got["first"] - got["sent"], "prompt_tokens": got["prompt_tokens"],
-            "cached_tokens": got["cached_tokens"], "completion_tokens": got["completion_tokens"],
-            "count_source": got["count_source"], "server_timings": got["timings"],
-            "prefix_metrics_delta": _delta(before, after)}
-
-
-def ttft_round(server: RunningServer, long_prompt: str, others: list[str], ban: list[int],
-               timeout: float) -> dict:
-    """cold, reused at once, and reused after `others`: {phase: run}, plus the others' runs."""
-    cold = ttft_request(server, long_prompt, ban, timeout)
-    reused = ttft_request(server, long_prompt, ban, timeout)
-    between = [ttft_request(server, p, ban, timeout) for p in others]
-    interleaved = ttft_request(server, long_prompt, ban, timeout)
-    interleaved["between"] = between
-    return {"cold": cold, "reused": reused, "interleaved": interleaved}
-
-
-# -- the run ------------------------------------------------------------------------------------
-
 
 @dataclass
 class ServerState:
@@ -389,7 +141,9 @@ def build_specs(config: ServerBenchConfig) -> list[ServerSpec]:
             specs.append(kipp_server(artifact, backend=config.kipp_backend, python=python,
                                      threads=config.threads, scheme=config.scheme,
                                      kv_tokens=kv, max_batch=config.max_batch,
-                                     expect_path=config.expect_paths.get(config.kipp_backend)))
+                                     expect_path=expected_path(
+                                         config.kipp_backend,
+                                         config.expect_paths.get(config.kipp_backend))))
         elif name in ("llama_cpp", "llama_cpp_cache"):
             specs.append(llama_cpp_server(artifact, python=python, threads=config.threads,
                                           scheme=config.scheme, n_ctx=config.context,
@@ -434,8 +188,7 @@ def start(state: ServerState, config: ServerBenchConfig) -> None:
             check_kernel_path(spec.options["backend"], spec.scheme, described, spec.expect_path)
         except FallbackError as e:
             state.status = "refused"
-            state.reason = (f"{e} (accept the named path with --expect-path "
-                            f"{spec.options['backend']}=WORDS)")
+            state.reason = str(e)
             log(f"{spec.name}: refused: {state.reason}")
             stop(state)
             return
@@ -532,39 +285,15 @@ def _failed(state: ServerState, key: str, error: Exception) -> None:
 
 
 def check_tokenization(state: ServerState, book: PromptBook, config: ServerBenchConfig) -> None:
-    """llama-cpp-python's stream reports no prompt token counts: ask its /extras/tokenize how it
-    splits two of the run's prompts and record whether its ids are Kipp's."""
+    """llama-cpp-python's stream reports no prompt token counts: record how it splits two of
+    the run's prompts, and whether its ids are Kipp's."""
     if state.server is None or state.spec.engine != "llama_cpp":
         return
-    tokenizer, found = _tokenizer(), []
-    for key, length in ((("agg", 0, config.clients[0], 0), config.prompt_tokens),
-                        (("ttft", 0), config.ttft_tokens)):
-        text = book.get(key, length)["text"]
-        try:
-            ids = _post_json(state.server.url + "/extras/tokenize",
-                             {"model": state.server.model_id, "input": text})["tokens"]
-        except Exception as e:  # recorded; the measurement does not depend on it
-            found.append({"prompt": list(key), "error": f"{type(e).__name__}: {e}"})
-            continue
-        found.append({"prompt": list(key), "kipp_tokens": length, "server_tokens": len(ids),
-                      "same_ids": ids == tokenizer.encode(text)})
+    prompts = ((("agg", 0, config.clients[0], 0), config.prompt_tokens),
+               (("ttft", 0), config.ttft_tokens))
+    found = tokenization_check(state.server.url, state.server.model_id, book, prompts)
     state.info["tokenization_check"] = found
     log(f"{state.spec.name}: tokenization check {found}")
-
-
-def _post_json(url: str, body: dict, timeout: float = 60.0) -> dict:
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        conn.request("POST", parts.path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise ClientError(f"HTTP {response.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
 
 
 def _rotate(items: list, by: int) -> list:
@@ -578,72 +307,92 @@ def run(config: ServerBenchConfig) -> list[Path]:
     """Measure every server; write the server_aggregate and ttft_prefix records."""
     states = [ServerState(spec) for spec in build_specs(config)]
     book, ban = PromptBook(), end_token_ids()
-    total_rounds = config.warmup + config.rounds
-    order: list[str] = []
     began = time.perf_counter()
     try:
-        if config.mode == "interleaved":
-            for state in states:
-                start(state, config)
-                check_tokenization(state, book, config)
-            for r in range(total_rounds):
-                visit = _rotate([s for s in states if s.status == "ok"], r)
-                for clients in config.clients:
-                    for state in visit:
-                        run_aggregate(state, config, book, ban, r, clients)
-                        order.append(f"r{r + 1} {state.spec.name} c={clients}")
-                for state in visit:
-                    run_ttft(state, config, book, ban, r)
-                    order.append(f"r{r + 1} {state.spec.name} ttft")
-        else:
-            for state in states:
-                start(state, config)
-                check_tokenization(state, book, config)
-                try:
-                    for r in range(total_rounds):
-                        for clients in config.clients:
-                            run_aggregate(state, config, book, ban, r, clients)
-                            order.append(f"r{r + 1} {state.spec.name} c={clients}")
-                        run_ttft(state, config, book, ban, r)
-                        order.append(f"r{r + 1} {state.spec.name} ttft")
-                finally:
-                    stop(state)
+        visit = _interleaved if config.mode == "interleaved" else _sequential
+        order = visit(states, config, book, ban)
     finally:
         for state in states:
             stop(state)
-    elapsed = time.perf_counter() - began
-    prov = provenance.collect()
-    checkpoint = records.checkpoint_block(config.checkpoint)
-    protocol = _protocol(config, order, elapsed, ban)
-    servers_block = [{"spec": s.spec.to_json(), "status": s.status, "reason": s.reason,
-                      **s.info} for s in states]
-    written = []
-    agg_record = records.new(
-        "throughput", config.command, checkpoint, prov,
-        workload={"name": "server_aggregate", "kind": "server",
-                  "description": "aggregate decode tok/s of N concurrent streaming clients "
-                                 "(total completion tokens / round wall time)",
-                  "params": {"prompt_tokens": config.prompt_tokens,
-                             "max_tokens": config.max_tokens, "clients": list(config.clients)},
-                  "unit": "tok/s", "higher_is_better": True, "planned": False},
-        protocol=protocol, servers=servers_block,
-        arms=[_aggregate_arm(s, c, config) for s in states for c in config.clients])
-    written.append(records.write(agg_record, config.results))
-    ttft_record = records.new(
-        "throughput", config.command, checkpoint, prov,
-        workload={"name": "ttft_prefix", "kind": "ttft",
-                  "description": "time to first token of a repeated prompt: cold, reused at "
-                                 "once, reused after other prompts",
-                  "params": {"prompt_tokens": config.ttft_tokens,
-                             "other_prompt_tokens": config.other_tokens,
-                             "others_between": config.others, "max_tokens": 1},
-                  "unit": "s", "higher_is_better": False, "planned": False},
-        protocol=protocol, servers=servers_block,
-        arms=[_ttft_arm(s, p, config) for s in states for p in PHASES])
-    written.append(records.write(ttft_record, config.results))
+    written = _write_records(states, config, _protocol(config, order,
+                                                       time.perf_counter() - began, ban))
     for path in written:
         log(f"wrote {path}")
     return written
+
+
+def _interleaved(states: list[ServerState], config: ServerBenchConfig, book: PromptBook,
+                 ban) -> list[str]:
+    """Every server started; each round visits them all, the order rotating by one each round.
+    Returns the order."""
+    order = []
+    for state in states:
+        start(state, config)
+        check_tokenization(state, book, config)
+    for r in range(config.warmup + config.rounds):
+        _round(_rotate([s for s in states if s.status == "ok"], r), r, config, book, ban, order)
+    return order
+
+
+def _sequential(states: list[ServerState], config: ServerBenchConfig, book: PromptBook,
+                ban) -> list[str]:
+    """One server at a time: started, all its rounds, stopped. Returns the order."""
+    order = []
+    for state in states:
+        start(state, config)
+        check_tokenization(state, book, config)
+        try:
+            for r in range(config.warmup + config.rounds):
+                _round([state], r, config, book, ban, order)
+        finally:
+            stop(state)
+    return order
+
+
+def _round(visit: list[ServerState], r: int, config: ServerBenchConfig, book: PromptBook, ban,
+           order: list[str]) -> None:
+    """Round r: for each client count every server in `visit` runs its aggregate round, then
+    every one runs its TTFT sequence; each turn is appended to `order`."""
+    for clients in config.clients:
+        for state in visit:
+            run_aggregate(state, config, book, ban, r, clients)
+            order.append(f"r{r + 1} {state.spec.name} c={clients}")
+    for state in visit:
+        run_ttft(state, config, book, ban, r)
+        order.append(f"r{r + 1} {state.spec.name} ttft")
+
+
+def _write_records(states: list[ServerState], config: ServerBenchConfig,
+                   protocol: dict) -> list[Path]:
+    prov = provenance.collect()
+    checkpoint = records.checkpoint_block(config.checkpoint)
+    servers_block = [{"spec": s.spec.to_json(), "status": s.status, "reason": s.reason,
+                      **s.info} for s in states]
+
+    def write(workload: dict, arms: list[dict]) -> Path:
+        record = records.new("throughput", config.command, checkpoint, prov,
+                             workload={**workload, "planned": False}, protocol=protocol,
+                             servers=servers_block, arms=arms)
+        return records.write(record, config.results)
+
+    aggregate = write(
+        {"name": "server_aggregate", "kind": "server",
+         "description": "aggregate decode tok/s of N concurrent streaming clients (total "
+                        "completion tokens / round wall time)",
+         "params": {"prompt_tokens": config.prompt_tokens, "max_tokens": config.max_tokens,
+                    "clients": list(config.clients)},
+         "unit": "tok/s", "higher_is_better": True},
+        [_aggregate_arm(s, c, config) for s in states for c in config.clients])
+    ttft = write(
+        {"name": "ttft_prefix", "kind": "ttft",
+         "description": "time to first token of a repeated prompt: cold, reused at once, "
+                        "reused after other prompts",
+         "params": {"prompt_tokens": config.ttft_tokens,
+                    "other_prompt_tokens": config.other_tokens,
+                    "others_between": config.others, "max_tokens": 1},
+         "unit": "s", "higher_is_better": False},
+        [_ttft_arm(s, p, config) for s in states for p in PHASES])
+    return [aggregate, ttft]
 
 
 def _protocol(config: ServerBenchConfig, order: list[str], elapsed: float, ban) -> dict:
@@ -655,7 +404,7 @@ def _protocol(config: ServerBenchConfig, order: list[str], elapsed: float, ban) 
                            "one server at a time, all its rounds, then it is stopped"),
             "rounds": config.rounds, "warmup_rounds": config.warmup, "order": order,
             "threads": config.threads, "elapsed_s": elapsed,
-            "client": "bench/server_bench.py: http.client, one thread per streaming client, "
+            "client": "bench/server_client.py: http.client, one thread per streaming client, "
                       "all released by a barrier; SSE parsed line by line",
             "timer": "time.perf_counter in the client process",
             "request": {"endpoint": "/v1/completions", "temperature": 0.0, "seed": 0,
@@ -734,8 +483,6 @@ def _ttft_arm(state: ServerState, phase: str, config: ServerBenchConfig) -> dict
             "warmup_runs": got["warmup"], "runs": got["runs"], "values": values,
             "summary": summarize(values), "peak_rss_bytes": _peak(state)}
 
-
-# -- terminal summary ---------------------------------------------------------------------------
 
 
 def summary_lines(path: Path) -> list[str]:

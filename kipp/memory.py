@@ -4,8 +4,8 @@
 - "stored": the artifact's own format (BF16, or the quantized planes / MLX's affine repack),
   widened or dequantized per chunk inside each matmul. What the kernels read; never more
   memory than the artifact's weights.
-- "float32": BF16 weights widened once at load (4 bytes per weight). On a CPU that is today's
-  fast path for multi-row matmuls (kipp.cuda.layout, kipp.apple.linear measure it), at twice the
+- "float32": BF16 weights widened once at load (4 bytes per weight). On a CPU that is the
+  fast path for multi-row matmuls (see kipp.cuda.plan, kipp.apple.layout), at twice the
   memory of BF16.
 - "auto": on a GPU (Metal or CUDA) always "stored" (a fallback must fit where the kernels fit);
   on a CPU "float32" when the copy fits the budget, half the memory available now, else
@@ -93,13 +93,11 @@ def large_blocks_returned():
     (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, glibc.malloc tunables).
 
     Why: glibc raises its mmap threshold to the size of each large block freed, so after a load
-    XLA's per-execution temporaries (25 MiB for a 16-token prefill at the 0.6B shape) come from
-    the executing thread's heap, and a non-main heap keeps its top resident when freed (up to
-    twice the threshold; a malloc_trim after each run left it): measured, +25 MiB in the second
-    and in the third prefill (1,446 -> 1,496 MiB); inside, flat at 1,447, prefill within 1%.
-    Why only inside: a threshold fixed at 1 MiB for the whole process made numpy-heavy code
-    mmap and fault in every 1-32 MiB array (the reference-backend and scheduler tests: 82-99 s
-    -> 127-132 s)."""
+    XLA's per-execution temporaries come from the executing thread's heap, and a non-main heap
+    keeps its top resident when freed (malloc_trim does not return it): resident memory grew
+    with each new step shape. Why only inside: a 1 MiB threshold for the whole process makes
+    numpy-heavy code map and fault in every 1-32 MiB array, which slows it markedly. The
+    weight-memory records in bench/results (`--weight-memory stored,float32`) hold the figures."""
     mallopt = _libc_function("mallopt")
     if mallopt is None or _user_malloc_settings():
         yield
@@ -123,9 +121,9 @@ def trim_heap() -> None:
     """Return the C heap's free memory to the OS (glibc's malloc_trim; a no-op elsewhere).
 
     glibc keeps what a large, short-lived allocation freed (XLA's compiler scratch, numpy's
-    copies while weights are packed) in the process, counted in its resident set: measured at
-    the 0.6B shape on the JAX backend, ~65 MiB per compiled step. Backends call this after
-    loading and after each compile."""
+    copies while weights are packed) in the process, counted in its resident set, tens of MiB
+    per compiled step at the 0.6B shape. Backends call this after loading and after each
+    compile."""
     trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)

@@ -1,21 +1,15 @@
 """Kernel probes: before a backend trusts a kernel, it runs it once on a small input against its
 twin, and replaces every kernel that fails to compile, raises or disagrees with that twin.
 
-The first run of a Metal or Pallas kernel on a user's machine is the first time it meets that
-machine's compiler and GPU. So at load a backend that would use kernels hands this module one
-`Probe` per kernel variant the checkpoint will use (say "matvec/q8_0": the decode kernel in the
-artifact's format): a thunk that compiles and runs the kernel on a probe input, a thunk that
-runs its twin on the same input, and the NMSE bound within which the two must agree.
-`run_probes` runs them one by one and returns a `KernelReport`: which kernels run, and which
-fell back, each with a one-line reason. Per kernel, not all or nothing: a broken decode matvec
-costs the decode matvec, not the prefill matmul.
-
-Every fallback logs one warning line naming the kernel, the error and the twin that replaces
-it; `Backend.describe()`, `/health` and `kipp doctor` name it too. Results are cached per
-process (keyed by the backend's own key: device, format, interpret mode), so a second backend
-on the same machine pays nothing. `KIPP_KERNEL_FALLBACK=0` (or a backend's `fallback=False`)
-turns fallback off: a failing probe raises `KernelError` instead, which is what benchmarks and
-the hardware check scripts want (a slower path must never be measured by mistake).
+Why: the first run of a Metal or Pallas kernel on a user's machine is its first meeting with
+that machine's compiler and GPU. At load a backend hands `run_probes` one `Probe` per kernel
+variant the checkpoint uses (say "matvec/q8_0"): a thunk running the kernel on a probe input, one
+running its twin, and the NMSE bound between them. The `KernelReport` says which kernels run and
+which fell back, each with a one-line reason; per kernel, so a broken decode matvec costs only
+the decode matvec. Each fallback logs one warning, and `Backend.describe()`, `/health` and
+`kipp doctor` name it. Results are cached per process under the backend's key (device, format,
+interpret mode). `KIPP_KERNEL_FALLBACK=0` (or `fallback=False`) makes a failing probe raise
+`KernelError` instead, for benchmarks and hardware checks that must never time a twin.
 """
 
 from __future__ import annotations

@@ -29,8 +29,6 @@ from bench.engines.base import ArmSpec  # noqa: E402
 TINY = "kipp-synthetic/qwen3-tiny"
 
 
-# ---- statistics ----------------------------------------------------------------------------
-
 def test_median_mad_min_max_on_known_data():
     s = stats.summarize([10.0, 12.0, 11.0, 50.0])
     assert s == {"n": 4, "median": 11.5, "mad": 1.0, "min": 10.0, "max": 50.0}
@@ -48,8 +46,6 @@ def test_statistics_refuse_empty_and_non_finite_and_zero_durations():
         stats.rate(10, 0.0)
     assert stats.rate(10, 2.0) == 5.0
 
-
-# ---- fallback refusal ----------------------------------------------------------------------
 
 def test_the_reference_path_is_accepted():
     described = "reference (numpy, q8_0 weights)"
@@ -87,6 +83,29 @@ def test_an_explicit_expectation_permits_the_named_slower_path():
         fallback.check_kernel_path("jax", "bf16", described, expect=("pallas",))
 
 
+def test_without_a_gpu_the_jax_twins_are_the_expected_path():
+    assert fallback.expected_path("jax", has_gpu=False) == ("twin",)
+    assert fallback.expected_path("jax", has_gpu=True) is None  # the Pallas path is required
+    assert fallback.expected_path("jax", ("pallas",), has_gpu=False) == ("pallas",)
+    assert fallback.expected_path("reference", has_gpu=False) is None
+    twins = ("jax (jax.numpy twins on cpu: JAX platform is cpu, no GPU for the kernels; "
+             "bf16 weights, bf16 artifact)")
+    expect = fallback.expected_path("jax", has_gpu=False)
+    assert fallback.check_kernel_path("jax", "bf16", twins, expect) == twins
+
+
+def test_a_gpu_machine_running_the_twins_is_refused_with_the_flag_to_add(monkeypatch):
+    monkeypatch.setattr(fallback, "gpu_present", lambda: True)
+    [arm] = arms.plan(TINY, ["kipp"], ["bf16"], ["jax"], threads=1, context=64)
+    assert arm.expect_path is None
+    twins = "jax (jax.numpy twins on gpu: KIPP_JAX_TWINS=1 forces the twins; bf16 artifact)"
+    with pytest.raises(fallback.FallbackError, match="add --expect-path jax=twin\\)"):
+        fallback.check_kernel_path("jax", "bf16", twins, arm.expect_path)
+    monkeypatch.setattr(fallback, "gpu_present", lambda: False)
+    planned = arms.plan(TINY, ["kipp"], ["bf16"], ["jax", "reference"], threads=1, context=64)
+    assert [a.expect_path for a in planned] == [("twin",), None]
+
+
 def test_llama_cpp_must_run_the_artifacts_own_type():
     assert fallback.check_llama_cpp_type("scale4_gs32", "qwen3 0.6B Q4_0")
     assert fallback.check_llama_cpp_type("affine4_gs32", "qwen3 0.6B Q4_1")
@@ -110,8 +129,6 @@ def test_a_kipp_arm_refuses_when_its_backend_falls_back(artifacts):
     with pytest.raises(fallback.FallbackError):
         engine.recheck()
 
-
-# ---- workloads, sizing and interleaving -----------------------------------------------------
 
 def test_workload_registry_leaves_room_for_later_workloads():
     assert {"decode", "prefill512", "prefill2048"} <= set(workloads.WORKLOADS)
@@ -156,8 +173,6 @@ def test_per_arm_overrides():
         arms.Sizing(runs=0)
 
 
-# ---- provenance ----------------------------------------------------------------------------
-
 def test_provenance_fields_and_types():
     p = provenance.collect()
     assert isinstance(p["collected"], str)
@@ -173,8 +188,6 @@ def test_provenance_fields_and_types():
     assert isinstance(p["blas"], list) and isinstance(p["environment"], dict)
     json.dumps(p)  # everything serialises
 
-
-# ---- ceiling -------------------------------------------------------------------------------
 
 def test_bytes_per_token_match_the_artifacts_tensors(artifacts):
     from kipp.formats import gguf
@@ -197,8 +210,6 @@ def test_bandwidth_measurement_is_positive_and_complete():
     assert len(result["kernels"]["max_f32"]["runs"]) == 2
 
 
-# ---- quality -------------------------------------------------------------------------------
-
 def test_perplexity_against_bf16_uses_multi_row_logits(models):
     tokens = list(range(1000, 1007))
     result = ppl.evaluate({"bf16": models(TINY, "bf16"), "q8_0": models(TINY, "q8_0")},
@@ -217,8 +228,6 @@ def test_log_softmax_normalises():
     logp = ppl.log_softmax(np.array([[1.0, 2.0, 3.0], [1000.0, 0.0, -1000.0]]))
     assert np.allclose(np.exp(logp).sum(-1), 1.0)
 
-
-# ---- records and the report ----------------------------------------------------------------
 
 def _arm(name, engine, scheme, values, backend=""):
     spec = ArmSpec(engine, scheme, TINY, backend=backend)
@@ -294,8 +303,6 @@ def _has_matplotlib() -> bool:
     return True
 
 
-# ---- the runner end to end (worker processes, tiny checkpoint) -----------------------------
-
 @pytest.fixture
 def tiny_home(tmp_path, monkeypatch, artifacts):
     """A KIPP_HOME whose store paths point at the session's tiny artifacts."""
@@ -338,6 +345,19 @@ def test_runner_refuses_to_record_a_fallback(tiny_home):
     assert arm["status"] == "refused" and "metal" in arm["reason"]
     assert "values" not in arm and "summary" not in arm
     assert runner.exit_status([path]) == 3
+
+
+def test_a_jax_arm_without_a_gpu_measures_the_twins_unasked(tiny_home, monkeypatch):
+    """`bench run --backends jax` on a CPU machine: no --expect-path needed, and the record
+    says which path it expected."""
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "cpu":
+        pytest.skip("JAX sees an accelerator here")
+    monkeypatch.setattr(fallback, "gpu_present", lambda: False)
+    [path] = runner.run(_config(tiny_home, backends=["jax"]))
+    [arm] = json.loads(path.read_text())["arms"]
+    assert arm["status"] == "ok", arm.get("reason")
+    assert "twins" in arm["info"]["describe"] and arm["spec"]["expect_path"] == ["twin"]
 
 
 def test_runner_reports_missing_artifacts_as_unavailable(tiny_home):

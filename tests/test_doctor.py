@@ -50,6 +50,20 @@ def test_cli_prints_the_report_and_writes_json(kipp_home, tmp_path, capsys):
     assert [g["passed"] for g in report["gates"]] == [True] * 4  # reference: no self-gate
     assert report["speed"]["decode_tok_s"] > 0 and report["speed"]["prefill_tok_s"] > 0
     assert report["summary"][-1] == "verdict: healthy" and report["summary"][-1] in printed
+    assert_gate_rows_say_what_they_measured(report, printed)
+
+
+def assert_gate_rows_say_what_they_measured(report: dict, printed: str) -> None:
+    """Each gate row prints its measure, the figure and its bound, then a non-empty detail."""
+    rows = {line.split(":", 1)[0].split(None, 1)[1]: line.split(":", 1)[1]
+            for line in printed.splitlines() if line.startswith(("  PASS", "  FAIL", "  skip"))}
+    assert list(rows) == [g["name"] for g in report["gates"]]
+    for g in report["gates"]:
+        assert g["detail"].strip(), g
+        if g["metric"] is not None:
+            assert f"{g['measure']} {g['metric']:.2e} (bound {g['bound']:g}); {g['detail']}" \
+                in rows[g["name"]]
+    assert "batched vs isolated" in rows and "argmax identical" in rows["batched vs isolated"]
 
 
 @pytest.mark.parametrize("backend", ["jax", "mlx"])
@@ -63,6 +77,7 @@ def test_doctor_on_the_twins(artifacts, synthetic_dir, backend):
     assert report["kernels"]["probes"] == [] and report["healthy"]
     assert json.loads(json.dumps(report))["summary"] == report["summary"]
     assert any(line.startswith("kernels: none") for line in report["summary"])
+    assert_gate_rows_say_what_they_measured(report, doctor.format_report(report))
 
 
 def test_doctor_reports_kernels_that_fell_back(artifacts, synthetic_dir, monkeypatch):

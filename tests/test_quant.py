@@ -53,9 +53,6 @@ def roundtrip(x, name):
     return raw, dequantize(raw, name, x.shape[1])
 
 
-# ---- data -----------------------------------------------------------------------------------
-
-
 # The largest |w| each scheme accepts: its fp16 parameters overflow beyond.
 LARGEST = {"q8_0": 127 * 65504.0, "scale4_gs32": 8 * 65504.0, "affine4_gs32": 65504.0}
 
@@ -86,9 +83,6 @@ def weights(kind, rows, cols, seed=0, name="q8_0"):
 
 KINDS = ["normal", "uniform", "heavy", "offset", "tiny", "tiny_and_huge"]
 COLS = [32, 64, 4096]
-
-
-# ---- the scheme table -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -126,9 +120,6 @@ def test_row_bytes_rejects_partial_blocks():
     with pytest.raises(QuantError, match="q8_0: cols 48 is not a multiple of 32"):
         SCHEMES["q8_0"].row_bytes(48)
     assert SCHEMES["bf16"].row_bytes(48) == 96
-
-
-# ---- layout oracle: the gguf package decodes the same bytes to the same bits ----------------
 
 
 @pytest.mark.parametrize("kind", KINDS + ["plus_minus_max"])
@@ -207,9 +198,6 @@ def test_scales_match_llama_cpp_when_normal():
             one_below = np.nextafter(their_m, np.float16(-np.inf))
             assert np.all((m == their_m) | (m == one_below))
             assert np.all(m <= x.reshape(len(x), -1, 32).min(-1))
-
-
-# ---- error bounds ---------------------------------------------------------------------------
 
 
 def assert_within_bounds(x, name):
@@ -322,9 +310,6 @@ def test_q8_0_is_odd_symmetric():
     assert np.array_equal(a[..., 2:].view(np.int8), -b[..., 2:].view(np.int8))
 
 
-# ---- encoder/decoder agreement ----------------------------------------------------------------
-
-
 def idempotent_blocks(x, name):
     """Which blocks re-quantize to the same bytes, and which the encoder guarantees will.
 
@@ -371,8 +356,6 @@ def test_normal_scales_promise_idempotence(name):
     assert np.all(same[promised])
     assert np.all(promised[np.abs(d) >= FP16_NORMAL_MIN])
 
-
-# ---- property tests -------------------------------------------------------------------------
 
 # Every weight within fp16's range is quantizable by every scheme (the limits are tested below).
 # Hypothesis mixes in 0, -0, subnormals, 65504 and near-duplicates.
@@ -448,9 +431,6 @@ def test_property_scaled_normal_blocks(spec, name):
     same, promised, _ = idempotent_blocks(x, name)
     assert np.all(same[promised])
     nearest_level_is_chosen(x[:, :64], raw[:, : 2 * SCHEMES[name].block_bytes], name)
-
-
-# ---- rejections -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", BLOCK_SCHEMES)

@@ -78,9 +78,6 @@ def assert_matches(draws, expected):
 VALUES = [3.0, 2.6, 2.2, 2.0, 1.9, 1.0, 0.5]
 
 
-# --- greedy -----------------------------------------------------------------------------------
-
-
 def test_greedy_is_argmax():
     params = SamplingParams(temperature=0.0)
     assert params.is_greedy
@@ -108,9 +105,6 @@ def test_tiny_temperature_approaches_greedy():
     x, ids = embedded(VALUES, seed=2)
     for t in (1e-3, 1e-40):  # 1e-40 rounds to float32 zero: must not make NaNs
         assert set(draw(SamplingParams(temperature=t, seed=0), x, 100)) == {ids[0]}
-
-
-# --- temperature, top_k, top_p, min_p: exact supports and frequencies ---------------------------
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
@@ -172,9 +166,6 @@ def test_top_p_mask_equals_a_full_sort(scale, top_p):
     cdf = np.cumsum(w[order].astype(np.float64))
     cut = int(np.searchsorted(cdf, top_p * cdf[-1])) + 1
     assert np.array_equal(np.flatnonzero(keep), np.sort(order[:cut]))
-
-
-# --- penalties and logit_bias -------------------------------------------------------------------
 
 
 def penalty_case():
@@ -242,9 +233,6 @@ def test_sample_never_writes_the_callers_logits():
     Sampler(params).sample(x, recent)
 
 
-# --- seeds and independence ---------------------------------------------------------------------
-
-
 def run(sampler, x, n=50):
     return [sampler.sample(x, []) for _ in range(n)]
 
@@ -269,9 +257,6 @@ def test_samplers_with_one_seed_do_not_share_draws():
         b.sample(x, [])
         b.sample(x, [])
     assert interleaved == alone
-
-
-# --- logprobs -----------------------------------------------------------------------------------
 
 
 def reference_log_softmax(x):
@@ -313,8 +298,6 @@ def test_logprobs_reject_out_of_range(token_id, top_n):
     with pytest.raises(SamplingError):
         logprobs(spread_logits(19), token_id, top_n)
 
-
-# --- validation ---------------------------------------------------------------------------------
 
 BAD = [
     ("temperature", -0.1),

@@ -16,7 +16,7 @@ pytest.importorskip("flask")
 pytest.importorskip("waitress")
 pytest.importorskip("prometheus_client")
 
-from bench import records, server_bench  # noqa: E402
+from bench import records, server_bench, server_client  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 MAX_TOKENS = 4
@@ -26,8 +26,8 @@ OTHER_TOKENS = 32
 
 
 def test_prompt_book_gives_exact_distinct_prompts():
-    book = server_bench.PromptBook()
-    tokenizer = server_bench._tokenizer()
+    book = server_client.PromptBook()
+    tokenizer = server_client._tokenizer()
     seen = set()
     for k, length in enumerate((16, 16, 128, 500)):
         prompt = book.get(("t", k), length)
@@ -36,7 +36,7 @@ def test_prompt_book_gives_exact_distinct_prompts():
         assert tuple(ids[:16]) not in seen
         seen.add(tuple(ids[:16]))
     assert book.get(("t", 0), 16) is book.get(("t", 0), 16)  # a name always gives its prompt
-    assert set(server_bench.end_token_ids()) >= {151643, 151645}
+    assert set(server_client.end_token_ids()) >= {151643, 151645}
 
 
 def test_server_bench_against_kipp_serve(artifacts, tmp_path):

@@ -22,18 +22,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kipp.errors import KippError
-from kipp.text.tokenizer import (
+from kipp.text.tokenizer import StreamingDetokenizer, Tokenizer
+from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
+from kipp.text.vocab import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_UNUSED,
     TOKEN_USER_DEFINED,
-    StreamingDetokenizer,
-    Tokenizer,
     TokenizerData,
     TokenizerError,
     load_tokenizer_files,
 )
-from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
 CORPUS = Path(__file__).parent / "data" / "tokenizer_corpus.jsonl"
 ADDED_IDS = range(151643, 151669)

@@ -31,7 +31,7 @@ from kipp.formats.quant import (
     dequantize,
 )
 from kipp.formats.registry import HEAD_DIM, KV_HEADS, RMS_NORM_EPS, VOCAB_SIZE, Checkpoint
-from kipp.text.tokenizer import TokenizerData
+from kipp.text.vocab import TokenizerData
 
 FORMAT_VERSION = 1
 ARCHITECTURE = "qwen3"

@@ -138,7 +138,8 @@ class _Cursor:
         try:
             return bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ArtifactError(self.path, what, f"string is not valid UTF-8 ({e.reason})") from None
+            raise ArtifactError(self.path, what,
+                                f"string is not valid UTF-8 ({e.reason})") from None
 
 
 def _value_type(cur: _Cursor, raw: int, what: str) -> ValueType:

@@ -1,8 +1,8 @@
 """The q8_0 KV cache format in numpy: the oracle every backend's KV store and attention follow.
 
 With `kv_scheme="q8_0"` a backend stores each (token, KV head) row of 128 K or V values as four
-Q8_0 blocks of 32, exactly kipp.formats.quant's q8_0 weight encoding applied to the row: an fp16 scale
-d chosen first (amax / 127, rounded to fp16, bumped where rounding would saturate), then each
+Q8_0 blocks of 32, kipp.formats.quant's q8_0 weight encoding applied to the row: an fp16 scale d
+chosen first (amax / 127, rounded to fp16, bumped where rounding would saturate), then each
 value's level q in [-127, 127] nearest to it against that rounded d (ties away from zero).
 Attention reads d * q in float32, which is exact (11 x 8 significant bits), so every backend
 that follows this file dequantizes bitwise alike; only their attention arithmetic differs.
@@ -11,10 +11,9 @@ that follows this file dequantizes bitwise alike; only their attention arithmeti
     k_hat = dequantize(q, d)      # float32 [..., 128]; |k_hat - k| <= d / 2 per block
     pack(q, d)                    # uint8 [..., 136]: GGML's Q8_0 bytes (d, then 32 x int8)
 
-Backends keep q and d as two planes (int8 `[..., 8, 128]` and fp16 `[..., 8, 4]`), the same
-136 bytes per head-row as the packed form, against BF16's 256: 1.88x smaller. The K/V values
-are quantized from float32 (after RoPE for K), never from their BF16 rounding, so q8_0 KV is
-one rounding away from the float32 values, like BF16 KV.
+Backends keep q and d as two planes (int8 `[..., 8, 128]`, fp16 `[..., 8, 4]`): 136 bytes per
+head-row against BF16's 256. K/V are quantized from float32 (after RoPE for K), never from their
+BF16 rounding, so q8_0 KV is one rounding away from the float32 values, like BF16 KV.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def bytes_per_token(layers: int, scheme: str) -> int:
 
 
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 rows [..., 128] -> (q int8 [..., 128], d float16 [..., 4]), kipp.formats.quant's q8_0.
+    """float32 rows [..., 128] -> (q int8 [..., 128], d float16 [..., 4]): quant's q8_0.
 
     Raises kipp.errors.QuantError for a non-finite value or a block beyond fp16's range.
     """

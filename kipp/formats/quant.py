@@ -121,9 +121,6 @@ def _as_scheme(s: WeightScheme | str) -> WeightScheme:
     return s if isinstance(s, WeightScheme) else scheme(s)
 
 
-# ---- quantize ------------------------------------------------------------------------------
-
-
 def quantize(weights: np.ndarray, scheme: WeightScheme | str) -> np.ndarray:
     """Encode float32 or bfloat16 weights [rows, cols] as uint8 [rows, scheme.row_bytes(cols)].
 
@@ -243,8 +240,8 @@ def _fp16_scale(target, extreme, origin, reach, name: str, row0: int) -> np.ndar
     with an error up to ~127 * 2**-25. For normal d, rounding moves d by at most 2**-11
     relative, so the extreme lands within 0.07 d of the end level and no bump is needed (for
     q8_0 and scale4, d is then llama.cpp's choice). One bump always suffices (target is within
-    half a subnormal step of d). A target too large for fp16 (above 65504 after rounding) is a QuantError:
-    clamping d to 65504 would silently saturate every weight past it.
+    half a subnormal step of d). A target too large for fp16 (above 65504 after rounding) is a
+    QuantError: clamping d to 65504 would silently saturate every weight past it.
     """
     with np.errstate(over="ignore"):
         d = target.astype(np.float16)
@@ -307,9 +304,6 @@ def _reject(bad: np.ndarray, row0: int, name: str, why: str) -> None:
         raise QuantError(f"{name}: row {row0 + row}, block {block} (columns {cols}): {why}")
 
 
-# ---- dequantize ----------------------------------------------------------------------------
-
-
 def dequantize(raw: np.ndarray, scheme: WeightScheme | str, cols: int) -> np.ndarray:
     """Decode uint8 [rows, scheme.row_bytes(cols)] into float32 [rows, cols].
 
@@ -355,9 +349,6 @@ def _unpack(raw: np.ndarray, s: WeightScheme):
 
 def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[..., offset : offset + 2]).view("<f2").astype(np.float32)
-
-
-# ---- error bounds --------------------------------------------------------------------------
 
 
 def error_bound(weights: np.ndarray, raw: np.ndarray, scheme: WeightScheme | str) -> np.ndarray:

@@ -6,8 +6,8 @@ config.json. Family invariants (vocab, head_dim, KV heads, eps, activation, no b
 module constants shared by every entry and checked when this module is imported.
 
 Synthetic entries (`kipp-synthetic/...`) are checkpoints Kipp generates itself from a seed
-(`kipp.synthetic.writer`), with the real Qwen3 architecture and file layout, because model weights cannot
-be downloaded everywhere Kipp is developed and tested.
+(`kipp.synthetic.writer`), with the real Qwen3 architecture and file layout, because model
+weights cannot be downloaded everywhere Kipp is developed and tested.
 """
 
 from __future__ import annotations

@@ -5,16 +5,13 @@
     token = sampler.sample(logits, history, allowed=matcher.allowed())
     matcher.consume(token)        # then prefetch([matcher]): the next mask, on a worker thread
 
-The grammar engine is llguidance (what llama.cpp, vLLM and SGLang use; a Rust library with
-numpy bitmasks and no torch dependency). It compiles JSON Schema, regular expressions and
-Lark grammars (with JSON Schema embedded as `%json {...}`, which is how the tool-call grammar
-is built) against the tokenizer's token trie, and each step it answers which of the 151,936
-ids may come next. Kipp applies that mask in the sampler, on the host, after logit bias and
-penalties (kipp.text.sampling), so batching, n > 1, prefix reuse, logprobs (of the raw logits) and
-penalties work unchanged on every backend. The mask computation drops the GIL, so where the
-backend evaluates off the host CPU (`masks_ahead`: a GPU, Metal) the masks for the next step
-are computed on a worker thread, in one task per step, while the backend evaluates; on a CPU
-backend they are computed when the sampler asks (the eval already uses every core).
+The engine is llguidance (as in llama.cpp, vLLM and SGLang: Rust, numpy bitmasks, no torch). It
+compiles JSON Schema, regular expressions and Lark grammars (JSON Schema embedded as `%json
+{...}` builds the tool-call grammar) against the token trie, and each step says which ids may
+come next. The sampler applies that mask on the host after logit bias and penalties, so
+batching, n > 1, prefix reuse and logprobs work unchanged on every backend. The mask drops the
+GIL: where the backend evaluates off the host CPU (`masks_ahead`: a GPU, Metal) the next masks
+are computed on a worker thread during the eval; on a CPU backend, when the sampler asks.
 
 JSON whitespace is bounded: at most one space between JSON tokens (`JSON_WHITESPACE`), which
 admits both compact JSON and Python's json.dumps style (the style Qwen3's tool calls are
@@ -66,9 +63,6 @@ class Grammar:
     kind: str
     source: str  # llguidance's grammar text (what LLMatcher reads)
     param: str
-
-
-# -- building grammars ---------------------------------------------------------------------------
 
 
 def schema_dict(schema: Any, param: str = "json_schema") -> dict:
@@ -288,15 +282,12 @@ def _checked(grammar: Grammar) -> Grammar:
     return grammar
 
 
-# -- the tokenizer llguidance needs ------------------------------------------------------------
-
-
 class _TokenizerView:
     """What llguidance's TokenizerWrapper reads from a tokenizer: every id's bytes, the special
     (control) ids, and an encode function (used to tokenize text a grammar forces)."""
 
     def __init__(self, tokenizer, eos: int):
-        from kipp.text.tokenizer import TOKEN_CONTROL
+        from kipp.text.vocab import TOKEN_CONTROL
 
         self.eos_token_id, self.bos_token_id = eos, None
         self.tokens = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
@@ -327,9 +318,6 @@ def grammar_tokenizer(tokenizer, stop_ids: Sequence[int]):
         _tokenizers[key] = llg.LLTokenizer(llg.TokenizerWrapper(view),
                                            n_vocab=tokenizer.vocab_size, eos_token=list(key[3]))
     return _tokenizers[key]
-
-
-# -- per choice: the matcher and its mask ----------------------------------------------------
 
 
 _worker: ThreadPoolExecutor | None = None

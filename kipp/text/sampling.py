@@ -4,31 +4,8 @@ One `Sampler` per sequence (per choice). Each step it takes the backend's float3
 the next position (151,936 of them) and the token ids so far (prompt and generated), and
 returns one token id. It never writes to the caller's logits.
 
-Order of operations in `Sampler.sample` (x is a float32 copy of the logits):
-
-1. logit_bias: x[id] += bias, for every (id, bias) pair.
-2. penalties, over the last `penalty_window` ids of the sequence (prompt included); for each
-   distinct id t in that window, occurring c times:
-   a. repetition (CTRL): x[t] / r if x[t] > 0 else x[t] * r,
-   b. frequency and presence: x[t] -= c * frequency_penalty + presence_penalty.
-   Repetition comes first, as in llama.cpp's penalties step (note that llama.cpp's default
-   chain applies temperature after top_k/top_p/min_p; Kipp applies it before, as listed
-   here). `adjusted_logits` returns x after this step.
-2b. allowed (a grammar's mask, kipp.text.grammar): ids outside it get -inf, so no later step can
-   pick them; greedy, top_k, top_p and min_p then act on the admitted ids only.
-3. temperature == 0 (or top_k == 1): argmax of x; ties go to the lowest id; no RNG draw.
-4. otherwise divide by temperature; the weights are w = exp((x - max x) / T), so the most
-   likely token has weight exactly 1.
-5. top_k: keep the k largest; ties at the boundary go to the lowest ids, so exactly k stay
-   (and top_k == 1 is the greedy token).
-6. softmax over what is kept, then top_p: order by probability (ties: lower id first) and
-   keep the shortest prefix whose cumulative probability reaches top_p (at least one token).
-7. min_p: drop tokens with p < min_p * p_max.
-8. renormalise and draw by inverse CDF over the kept ids in ascending id order, using exactly
-   one uniform from the sampler's own RNG.
-
-`logprobs` reports log-softmax of the RAW model logits (before bias, penalties and
-temperature), as OpenAI-style logprobs do.
+The order of operations is in `Sampler.sample`'s docstring. `logprobs` reports log-softmax of
+the RAW model logits (before bias, penalties and temperature), as OpenAI-style logprobs do.
 """
 
 from __future__ import annotations
@@ -175,7 +152,7 @@ def _window(recent_tokens: Sequence[int], size: int, vocab_size: int) -> np.ndar
 
 
 def _adjust_in_place(x: np.ndarray, recent_tokens, params: SamplingParams) -> None:
-    """Steps 1 and 2 of the module docstring, on x (float32, the caller's copy)."""
+    """Steps 1 and 2 of Sampler.sample, on x (float32, the caller's copy)."""
     for token, bias in params.logit_bias:
         if token >= x.size:
             raise SamplingError(f"logit_bias token id {token} is outside 0..{x.size - 1}")
@@ -332,7 +309,32 @@ class Sampler:
     def sample(self, logits: np.ndarray, recent_tokens: Sequence[int] = (),
                allowed: np.ndarray | None = None) -> int:
         """One token id from logits [vocab] (float32), given the sequence so far. `allowed`
-        (bool [vocab], a grammar's mask) restricts the pick to the ids it marks."""
+        (bool [vocab], a grammar's mask) restricts the pick to the ids it marks.
+
+        In this order, x being a float32 copy of the logits:
+
+        1. logit_bias: x[id] += bias, for every (id, bias) pair.
+        2. penalties, over the last `penalty_window` ids of the sequence (prompt included); for
+           each distinct id t in that window, occurring c times:
+           a. repetition (CTRL): x[t] / r if x[t] > 0 else x[t] * r,
+           b. frequency and presence: x[t] -= c * frequency_penalty + presence_penalty.
+           Repetition comes first, as in llama.cpp's penalties step (llama.cpp's default chain
+           applies temperature after top_k/top_p/min_p; Kipp applies it before, as listed
+           here). `adjusted_logits` returns x after this step.
+        2b. allowed (a grammar's mask, kipp.text.grammar): ids outside it get -inf, so no later
+           step can pick them; greedy, top_k, top_p and min_p act on the admitted ids only.
+        3. temperature == 0 (or top_k == 1): argmax of x; ties go to the lowest id; no RNG draw.
+        4. otherwise divide by temperature; the weights are w = exp((x - max x) / T), so the
+           most likely token has weight exactly 1.
+        5. top_k: keep the k largest; ties at the boundary go to the lowest ids, so exactly k
+           stay (and top_k == 1 is the greedy token).
+        6. softmax over what is kept, then top_p: order by probability (ties: lower id first)
+           and keep the shortest prefix whose cumulative probability reaches top_p (at least
+           one token).
+        7. min_p: drop tokens with p < min_p * p_max.
+        8. renormalise and draw by inverse CDF over the kept ids in ascending id order, using
+           exactly one uniform from the sampler's own RNG.
+        """
         x = _check_logits(logits, self.vocab_size)
         p = self.params
         if p.logit_bias or p.has_penalties or allowed is not None:  # a private copy

@@ -5,14 +5,11 @@
     text, stopped = stops.feed(detokenized_piece)    # text is safe to emit now
     tail = stops.flush()                              # at the end: whatever was held back
 
-Streamed text is held back while its end could still be the start of a stop string, and
-released as soon as it cannot. The check runs per token on the engine thread, so its cost must
-not grow with the stop strings: each stop string is compiled once (Knuth-Morris-Pratt failure
-table) and each sequence keeps, per stop string, how many of its characters the text ends with.
-Feeding a character costs amortised O(1) per stop string whatever their length (a failure-link
-walk can only undo earlier advances), and the held-back text is kept as the pieces it arrived in,
-so releasing it copies only what is released. Compiling is O(length), done where the request is
-built, not per token.
+Streamed text is held back while its end could still start a stop string, and released as soon
+as it cannot. The check runs per token on the engine thread, so its cost must not grow with the
+stop strings: each is compiled once (a Knuth-Morris-Pratt failure table), each sequence keeps per
+stop string how many of its characters the text ends with (amortised O(1) per character), and
+held-back text stays in the pieces it arrived in, so a release copies only what it releases.
 
 The cut is at the stop string that ends first in the text (the longest one if several end at
 the same character), so the result does not depend on how the text was split into pieces.
@@ -37,13 +34,16 @@ def _failure(stop: str) -> array:
     f = array("i", [0]) * len(stop)
     k = 0
     for i in range(1, len(stop)):
-        c = stop[i]
-        while k and stop[k] != c:
-            k = f[k - 1]
-        if stop[k] == c:
-            k += 1
-        f[i] = k
+        k = f[i] = _step(stop, f, k, stop[i])
     return f
+
+
+def _step(stop: str, table: array, q: int, c: str) -> int:
+    """The matched length after character c, from q matched (StopStrings._advance inlines this:
+    it runs per character of every token)."""
+    while q and stop[q] != c:
+        q = table[q - 1]
+    return q + 1 if stop[q] == c else q
 
 
 class StopPatterns:
@@ -130,12 +130,7 @@ class StopStrings:
             c = text[i]
             hit = False
             for j, (stop, table) in enumerate(zip(stops, tables)):
-                q = states[j]
-                while q and stop[q] != c:
-                    q = table[q - 1]
-                if stop[q] == c:
-                    q += 1
-                states[j] = q
+                states[j] = q = _step(stop, table, states[j], c)
                 hit = hit or q == len(stop)
             if hit:
                 self.matched = states
