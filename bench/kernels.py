@@ -1,7 +1,7 @@
 """`python -m bench kernels`: compile every Pallas kernel at every registry shape for an H200
 (sm_90a) on this CPU-only machine, and write what ptxas and the launch say about each, with a
-roofline estimate, to bench/results/<time>-kernels-h200.json; then render bench/README.md's
-kernel tables from the newest such file (`--render-only` skips the compile).
+roofline estimate, to bench/results/<time>-kernels-h200.json; then render the kernel tables of
+bench/results/kernels-h200.md from the newest such file (`--render-only` skips the compile).
 
 Per kernel and shape (kipp.cuda.pallas.kernel_shapes): registers, spill stores and loads, stack
 frame, dynamic shared memory, tensor-core instructions in the PTX, compile seconds, and the
@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.provenance import REPO
 
 RESULTS = Path(__file__).resolve().parent / "results"
-README = Path(__file__).resolve().parent / "README.md"
+PAGE = Path(__file__).resolve().parent / "results" / "kernels-h200.md"
 SCHEMA = "kipp-kernels/1"
 HBM_BYTES_PER_S = 4.8e12  # H200 SXM HBM3e
 BF16_TENSOR_FLOPS = 989e12  # H200 SXM dense BF16 tensor cores
@@ -238,12 +238,12 @@ def _row(r: dict) -> str:
                    + tail)
 
 
-def update_readme(rec: dict, readme: Path = README) -> None:
-    """Replace the text between the kernel markers in bench/README.md."""
-    text = readme.read_text()
+def update_page(rec: dict, page: Path = PAGE) -> None:
+    """Replace the text between the kernel markers in bench/results/kernels-h200.md."""
+    text = page.read_text()
     start, end = text.index(BEGIN), text.index(END)
     start = text.index("\n", start) + 1
-    readme.write_text(text[:start] + render(rec) + "\n" + text[end:])
+    page.write_text(text[:start] + render(rec) + "\n" + text[end:])
 
 
 def main(args, command: str) -> int:
@@ -265,6 +265,6 @@ def main(args, command: str) -> int:
     if rec is None:
         raise SystemExit("no kernels record in bench/results (run `python -m bench kernels`)")
     if not args.no_readme:
-        update_readme(rec)
-        print("updated bench/README.md")
+        update_page(rec)
+        print(f"updated {PAGE.relative_to(REPO)}")
     return 0

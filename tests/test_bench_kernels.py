@@ -81,7 +81,7 @@ def test_render_and_readme_markers(tmp_path):
     assert "| matmul | q8_0 | M=512 |" in text and "| 8B | affine4_gs32 |" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{kernels.BEGIN} x -->\nold\n{kernels.END}\nafter\n")
-    kernels.update_readme(rec, readme)
+    kernels.update_page(rec, readme)
     out = readme.read_text()
     assert "old" not in out and out.startswith("before\n") and out.endswith("after\n")
     assert text in out
