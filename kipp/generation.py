@@ -74,13 +74,8 @@ def request_for(model, prompt: list[int], max_tokens: int, stop, params: Samplin
     """generate()'s arguments as a scheduler Request, or a GenerationError naming the bad one."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    limit, what = model.entry.context_length, "the context length"
     if session is not None:
-        check_session(model, session)
-        limit, what = session.capacity, "the session's capacity"
-    if max_tokens > limit - len(prompt):
-        raise GenerationError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) "
-                              f"exceeds {what} {limit}")
+        check_session(model, session)  # the room it leaves: the scheduler's check_request
     if not isinstance(speculative, (bool, SpecConfig)):
         raise GenerationError(f"speculative must be True, False or a kipp.engine.spec.SpecConfig, "
                               f"got {speculative!r}")
