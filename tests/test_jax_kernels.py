@@ -114,12 +114,23 @@ def _numpy_attention(q, k, v, position, table, dtype=np.float32):
 
 
 def _kernel_oracle(q, k, v, position, table):
-    """(want, slack) for the attention kernels: numpy attention over q rounded to BF16 (K and V
-    are BF16 already), and the bound of the kernels' one other rounding, the probabilities to
-    BF16 for the tensor-core dot with V (relative 2^-8 each): 2^-8 x the softmax-weighted |V|."""
-    qb = _bf16(q).astype(np.float32)
-    want = _numpy_attention(qb, k, v, position, table)
-    return want, 2.0 ** -8 * _numpy_attention(qb, k, np.abs(v), position, table) + 1e-5
+    """(want, slack) for the attention kernels: numpy attention over q, K and V rounded to BF16
+    for the tensor cores (a no-op for a BF16 slab), and the bound of the kernels' one other
+    rounding, the probabilities to BF16 for the dot with V (relative 2^-8 each): 2^-8 x the
+    softmax-weighted |V|."""
+    qb, kb, vb = (_bf16(a).astype(np.float32) for a in (q, k, v))
+    want = _numpy_attention(qb, kb, vb, position, table)
+    return want, 2.0 ** -8 * _numpy_attention(qb, kb, np.abs(vb), position, table) + 1e-5
+
+
+def check_paged_attention(kernel, twin, q, k, v, query_pos, tables):
+    """Every live query row of a prefill: the kernel within its rounding bound, the twin
+    within float32 reassociation of numpy attention."""
+    for s, i in zip(*np.nonzero(query_pos >= 0)):
+        want, slack = _kernel_oracle(q[s, i], k, v, query_pos[s, i], tables[s])
+        assert np.all(np.abs(kernel[s, i] - want) <= slack)
+        want = _numpy_attention(q[s, i], k, v, query_pos[s, i], tables[s])
+        np.testing.assert_allclose(twin[s, i], want, rtol=1e-5, atol=1e-5)
 
 
 def _tables(rng, seqs, width, blocks):
@@ -159,11 +170,7 @@ def test_prefill_attention_kernel_vs_twin_vs_numpy(heads):
     args = [jnp.asarray(a) for a in (q, k, v, query_pos, tables)]
     kernel = np.asarray(prefill_attention(*args, interpret=INTERPRET, block_q=8))
     twin = np.asarray(paged_attention_reference(*args))
-    for s, i in zip(*np.nonzero(query_pos >= 0)):
-        want, slack = _kernel_oracle(q[s, i], k, v, query_pos[s, i], tables[s])
-        assert np.all(np.abs(kernel[s, i] - want) <= slack)
-        want = _numpy_attention(q[s, i], k, v, query_pos[s, i], tables[s])
-        np.testing.assert_allclose(twin[s, i], want, rtol=1e-5, atol=1e-5)
+    check_paged_attention(kernel, twin, q, k, v, query_pos, tables)
 
 
 @pytest.mark.parametrize("heads", [16, 40])

@@ -176,27 +176,6 @@ def _q8_slab(rng, blocks):
     return q, d, kvquant.dequantize(q, d)
 
 
-def _kernel_oracle(q, k, v, position, table):
-    """(want, slack): the kernels round q and the dequantized K and V to BF16 for the tensor
-    cores, and the probabilities too (relative 2^-8 each), bounded by 2^-8 x softmax-weighted
-    |V| (as in test_jax_kernels)."""
-    import ml_dtypes
-
-    q, k, v = (a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in (q, k, v))
-    want = _numpy_attention(q, k, v, position, table)
-    return want, 2.0 ** -8 * _numpy_attention(q, k, np.abs(v), position, table) + 1e-5
-
-
-def _numpy_attention(q, k, v, position, table):
-    """ops.attend over positions 0..position of dequantized slabs, through the block table."""
-    from kipp.reference import ops
-
-    p = np.arange(position + 1)
-    slots = np.asarray(table)[p // 32] * 32 + p % 32
-    keys, values = k.reshape(-1, 8, 128)[slots], v.reshape(-1, 8, 128)[slots]
-    return ops.attend(q.reshape(8, -1, 128), keys, values).reshape(q.shape)
-
-
 @pytest.mark.parametrize("heads", [16, 40])  # query groups of 2 and 5 per KV head
 def test_attention_kernels_on_q8_0_slabs(heads):
     """Decode and prefill kernels (interpret mode on a CPU) and their twins on a q8_0 slab vs
@@ -207,6 +186,7 @@ def test_attention_kernels_on_q8_0_slabs(heads):
     from kipp.cuda.kvcache import QuantizedKV
     from kipp.cuda.pallas.decode_attention import decode_attention, decode_attention_reference
     from kipp.cuda.pallas.prefill_attention import paged_attention_reference, prefill_attention
+    from test_jax_kernels import _kernel_oracle, _numpy_attention, check_paged_attention
 
     interpret = jax.default_backend() != "gpu"
     rng = np.random.default_rng(heads)
@@ -231,11 +211,7 @@ def test_attention_kernels_on_q8_0_slabs(heads):
     args = (jnp.asarray(q), *slab, jnp.asarray(query_pos), jnp.asarray(tables[:2]))
     kernel = np.asarray(prefill_attention(*args, interpret=interpret, block_q=8))
     twin = np.asarray(paged_attention_reference(*args))
-    for s, i in zip(*np.nonzero(query_pos >= 0)):
-        want, slack = _kernel_oracle(q[s, i], k, v, query_pos[s, i], tables[s])
-        assert np.all(np.abs(kernel[s, i] - want) <= slack)
-        want = _numpy_attention(q[s, i], k, v, query_pos[s, i], tables[s])
-        np.testing.assert_allclose(twin[s, i], want, rtol=1e-5, atol=1e-5)
+    check_paged_attention(kernel, twin, q, k, v, query_pos, tables)
 
 
 def test_jax_q8_0_kv_scrambled_table_and_vs_bf16(artifacts):
