@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from faults import Fault, register
-from kipp.backend import KV_BLOCK
+from kipp.backend import KV_BLOCK, EvalItem
 from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.reference import backend as reference
 from kipp.reference import ops
@@ -21,14 +21,14 @@ def attention_variant(*, extra_visible: int = 0, exclude_self: bool = False,
                       store_decode: bool = True, read_slots=None, first_only: bool = False):
     """A copy of ReferenceBackend._attention with one change; with no change it is bitwise the
     original (tests/test_faults.py checks that, so the faults below stay faithful to it)."""
-    read_slots = read_slots or reference._slots
+    read_slots = read_slots or EvalItem.slots
 
     def _attention(self, index, q, k, v, items, slots):
         out = np.empty((q.shape[0], q.shape[1] * HEAD_DIM), np.float32)
         row = 0
         for item in items:
             n = len(item.tokens)
-            new = reference._slots(item, item.start_position, item.end_position)
+            new = item.slots(item.start_position, item.end_position)
             if store_decode or n > 1:
                 self.k_cache.store(index, new, k[row:row + n])
                 self.v_cache.store(index, new, v[row:row + n])
@@ -164,7 +164,7 @@ for fault in (
           "a one-token (decode) eval does not store its K and V",
           _plant_attention(store_decode=False), (_DECODE, _GREEDY)),
     Fault("block-table-off-by-one-at-boundary", "KV addressing",
-          "kipp.reference.backend._slots (attention reads)",
+          "kipp.backend.EvalItem.slots (attention reads)",
           "position 32k is read from the previous block's first slot",
           _plant_attention(read_slots=_slots_off_by_one_at_block_start), (_HF, _GREEDY)),
 ):
