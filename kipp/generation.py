@@ -122,7 +122,8 @@ class Generation:
         return self
 
     def __next__(self) -> str:
-        if self.state in (GenerationState.FINISHED, GenerationState.STOPPED):
+        if self.state in (GenerationState.FINISHED, GenerationState.STOPPED,
+                          GenerationState.FAILED):
             raise StopIteration
         if self.state is GenerationState.NOT_STARTED:
             self.state = GenerationState.RUNNING
@@ -181,7 +182,7 @@ class Generation:
         if self.state is GenerationState.RUNNING:
             self._ticket.cancel()
             self._engine.reap()
-        if self.state is not GenerationState.FINISHED:
+        if self.state in (GenerationState.NOT_STARTED, GenerationState.RUNNING):
             self.state = GenerationState.STOPPED
 
     def __del__(self):

@@ -136,6 +136,28 @@ def test_closing_a_stream_early_frees_its_blocks(fresh_model):
     assert list(generation) == []
 
 
+def test_a_failed_eval_raises_its_error_and_leaves_the_model_usable(fresh_model, monkeypatch):
+    """The scheduler fails only the request whose eval raised; generate raises that error, the
+    pool is back to idle, and the next call runs."""
+    model = fresh_model
+    want = model.generate("Hello there", max_tokens=6, temperature=0)
+    real, calls = model.backend.eval, []
+
+    def failing(items):
+        calls.append(len(items))
+        if len(calls) == 3:
+            raise RuntimeError("the device went away")
+        return real(items)
+
+    monkeypatch.setattr(model.backend, "eval", failing)
+    generation = model.generate("Hello there", max_tokens=6, temperature=0, stream=True)
+    with pytest.raises(RuntimeError, match="the device went away"):
+        list(generation)
+    assert "failed" in repr(generation) and list(generation) == []
+    assert model.pool.num_in_use == 0 and model.pool.reserved == 0 and model.engine.idle
+    assert model.generate("Hello there", max_tokens=6, temperature=0) == want
+
+
 def test_async_streaming_gives_the_same_pieces_and_lets_the_loop_run(models):
     model = models(TINY)
     prompts = ["Hello", "The Qwen3 family"]
