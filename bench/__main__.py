@@ -432,7 +432,8 @@ def _add_kernels_command(sub) -> None:
             schemes=None, results=False)
     p.add_argument("--only", default="", help="cases whose id or checkpoints contain this")
     p.add_argument("--render-only", action="store_true", help="re-render the newest record")
-    p.add_argument("--no-readme", action="store_true", help="leave bench/results/kernels-h200.md alone")
+    p.add_argument("--no-readme", action="store_true",
+                   help="leave bench/results/kernels-h200.md alone")
 
 
 def main(argv: list[str] | None = None) -> int:

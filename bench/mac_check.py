@@ -5,8 +5,8 @@ whole model on the Metal kernels against the reference backend (bench/mac_check.
     python -m bench.mac_check gates       # whole model, kernels on, every scheme
 
 Each row prints the NMSE of the kernel against the reference (numpy in float64 on the weights
-kipp.formats.quant decodes; for attention, the gathered-page twin), of the twin against the same, and
-the median time of each over a few runs (after one warm-up that compiles the kernel). Exit
+kipp.formats.quant decodes; for attention, the gathered-page twin), of the twin against the same,
+and the median time of each over a few runs (after one warm-up that compiles the kernel). Exit
 status 1 when any row misses its bound. Without Metal it says so and exits 2: there is nothing
 to compare.
 """

@@ -1,4 +1,5 @@
-"""kipp.text.chat.render against transformers' apply_chat_template with the upstream Qwen3 template."""
+"""kipp.text.chat.render against transformers' apply_chat_template with the upstream Qwen3
+template."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every Pallas kernel vs its jax.numpy twin vs the numpy reference (kipp.formats.quant, kipp.reference).
+"""Every Pallas kernel vs its jax.numpy twin vs the numpy reference (kipp.formats.quant,
+kipp.reference).
 
 On a CPU the kernels run in Pallas interpret mode; on a GPU they run compiled (set
 KIPP_PALLAS_INTERPRET=1 to force interpret mode there). Shapes are drawn within the family's:

@@ -1,5 +1,5 @@
-"""The q8_0 KV cache: kipp.formats.kvquant against kipp.formats.quant, and each backend's q8_0 slab against its
-BF16 slab, against the other backend, and against its own block-table layout.
+"""The q8_0 KV cache: kipp.formats.kvquant against kipp.formats.quant, and each backend's q8_0 slab
+against its BF16 slab, against the other backend, and against its own block-table layout.
 
 Bounds. Per value, q8_0 KV is off by at most d/2 = amax/254 of its 32-value block (about 0.4%
 of a row's largest value) against BF16's 2^-9 relative; on the tiny checkpoint the logits move

@@ -207,8 +207,8 @@ def test_a_borrowed_session_keeps_the_shared_prefix_and_cuts_the_rest(models):
     want_b = model.generate(second, max_tokens=3, temperature=0)
     with model.session() as s:
         a = model.generate(first, max_tokens=3, temperature=0, session=s, stream=True)
-        # adopted from the pool: block 0 and the cached tail of block 1 (kipp.engine.blocks), all but
-        # the prompt's last token, which is evaluated for its logits
+        # adopted from the pool: block 0 and the cached tail of block 1 (kipp.engine.blocks),
+        # all but the prompt's last token, which is evaluated for its logits
         assert "".join(a) == want_a and a.stats.reused_tokens == len(first) - 1
         assert s.tokens == first + a.stats.tokens[:-1]  # the last token was never evaluated
         assert s.shared_blocks >= 1
@@ -311,7 +311,8 @@ def test_progress_bars_are_tqdm_auto_widgets_in_jupyter(monkeypatch):
     import kipp.synthetic.writer
     from kipp.display import step_bar
 
-    assert kipp.synthetic.writer.tqdm is tqdm.auto.tqdm and kipp.formats.convert.tqdm is tqdm.auto.tqdm
+    assert kipp.synthetic.writer.tqdm is tqdm.auto.tqdm
+    assert kipp.formats.convert.tqdm is tqdm.auto.tqdm
     assert issubclass(kipp.formats.download.hf_tqdm, tqdm.auto.tqdm)
     made = []
 

@@ -1,4 +1,5 @@
-"""kipp.formats.quant: GGML layouts checked against the `gguf` package, encoder error bounds, rejections."""
+"""kipp.formats.quant: GGML layouts checked against the `gguf` package, encoder error bounds,
+rejections."""
 
 from fractions import Fraction
 

@@ -1,4 +1,5 @@
-"""kipp.text.sampling: exact supports, distributions, penalties, seeds and logprobs on full-size vocabs.
+"""kipp.text.sampling: exact supports, distributions, penalties, seeds and logprobs on full-size
+vocabs.
 
 Expected supports and probabilities are computed here independently, in float64, by plainly
 sorting the whole vocab. Logits are never all-zero: either seeded normal * 3 (a realistic

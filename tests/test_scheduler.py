@@ -276,8 +276,8 @@ def test_speculative_scheduler_emits_plain_greedy_tokens(model):
     ps = [prompts(model)[0], repetitive]
     greedy = [isolated(model, p, 24, temperature=0)[0] for p in ps]
     # Designed text, then its first three tokens again: the synthetic model's greedy next
-    # token is a rule of the last three (kipp.synthetic.writer.designed_rule), so it follows the same
-    # text from there and the drafter's copy of it is accepted.
+    # token is a rule of the last three (kipp.synthetic.writer.designed_rule), so it follows the
+    # same text from there and the drafter's copy of it is accepted.
     live = live_token_ids(model.entry)
     head = [int(live[i]) for i in (3, 10, 17)]
     chain = head + designed_rule(model.entry).continuation(head, 30) + head

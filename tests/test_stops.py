@@ -1,5 +1,5 @@
-"""Stop strings (kipp.text.stops): the same cut and the same hold-back as a naive per-character rule,
-and per-token work that does not grow with the stop strings' length."""
+"""Stop strings (kipp.text.stops): the same cut and the same hold-back as a naive per-character
+rule, and per-token work that does not grow with the stop strings' length."""
 
 import time
 

@@ -1,4 +1,5 @@
-"""kipp.synthetic.writer: deterministic synthetic checkpoints in the real Qwen3 Hugging Face layout."""
+"""kipp.synthetic.writer: deterministic synthetic checkpoints in the real Qwen3 Hugging Face
+layout."""
 
 import json
 import os

@@ -37,9 +37,9 @@ class ReferenceBackend(Backend):
 
     def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
                  kv_scheme: str = "bf16"):
-        """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.formats.kvquant). `kv_dtype` float32
-        is a diagnostic only: with K/V unrounded the reference should match an FP32 oracle to
-        rounding noise, which shows the BF16 KV is the only gap."""
+        """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.formats.kvquant). `kv_dtype`
+        float32 is a diagnostic only: with K/V unrounded the reference should match an FP32
+        oracle to rounding noise, which shows the BF16 KV is the only gap."""
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme

@@ -23,7 +23,7 @@ _CHUNK_FLOATS = 1 << 20  # weight elements converted at once: ~4 MiB of float32
 
 
 def weight_rows(w: Tensor, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of a 2-D weight in float32, dequantized per block for quantized schemes."""
+    """Rows [start, stop) of a 2-D weight in float32, dequantized per block when quantized."""
     if w.ggml_type == GGML_BF16:
         return w.raw.view(ml_dtypes.bfloat16).reshape(w.shape)[start:stop].astype(np.float32)
     if w.ggml_type == GGML_F32:
