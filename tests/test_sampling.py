@@ -227,11 +227,13 @@ def test_logit_bias_forces_and_bans():
 
 def test_sample_never_writes_the_callers_logits():
     x, recent = penalty_case()
+    before = x.copy()
     x.setflags(write=False)  # any write would raise
     params = SamplingParams(
         top_p=0.9, min_p=0.01, frequency_penalty=1, repetition_penalty=1.2, logit_bias={9: 3}
     )
-    Sampler(params).sample(x, recent)
+    token = Sampler(params).sample(x, recent)
+    assert 0 <= token < len(x) and np.array_equal(x, before)
 
 
 def run(sampler, x, n=50):

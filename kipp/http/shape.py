@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 
 from kipp.engine.requests import Delta, Done, Finished
 from kipp.http.schema import Call
@@ -33,7 +34,7 @@ class TokenText:
         return self.bytes(token).decode("utf-8", errors="replace")
 
 
-class Shape:
+class Shape(ABC):
     """What both endpoints' objects share: ids, usage, the chunk envelope, event collection."""
 
     prefix = object_name = chunk_object = ""
@@ -57,11 +58,13 @@ class Shape:
         chunk.update(extra)
         return chunk
 
+    @abstractmethod
     def _logprobs(self, choice: int, lps):
-        raise NotImplementedError
+        """The choice's logprobs in the endpoint's shape (None when not asked for)."""
 
+    @abstractmethod
     def _choice(self, i: int, text: str, logprobs, reason) -> dict:
-        raise NotImplementedError
+        """One choice of the whole response."""
 
     def response(self, events) -> dict:
         n = self.n
