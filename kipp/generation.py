@@ -82,9 +82,7 @@ def request_for(model, prompt: list[int], max_tokens: int, stop, params: Samplin
     if speculative and not params.is_greedy:
         raise GenerationError("speculative decoding is greedy only: set temperature=0 (or "
                               "top_k=1); a sampled token cannot be verified against a draft")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if not all(isinstance(s, str) and s for s in stops):
-        raise GenerationError("stop strings must be non-empty strings")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])  # checked by StopPatterns
     spec = SpecConfig() if speculative is True else speculative or None
     return Request(tuple(prompt), max_tokens, sampling=params, stop=tuple(stops),
                    logprobs=logprobs, grammar=grammar, spec=spec)

@@ -7,9 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kipp.generation import request_for
 from kipp.model import GenerationError
-from kipp.text.sampling import SamplingParams
 from kipp.text.stops import StopError, StopPatterns, StopStrings
 
 
@@ -80,15 +78,13 @@ def test_examples():
     assert StopStrings([]).feed("anything") == ("anything", False)
 
 
-def test_bad_stop_strings():
+def test_bad_stop_strings(models):
     with pytest.raises(StopError, match="non-empty"):
         StopPatterns(["ok", ""])
-    class FakeModel:
-        class entry:
-            context_length = 100
-
+    model = models("kipp-synthetic/qwen3-tiny")
     with pytest.raises(GenerationError, match="non-empty"):
-        request_for(FakeModel, [1, 2], 4, [3], SamplingParams())
+        model.generate("Hi", 4, stop=[3])
+    assert model.pool.num_in_use == 0 and model.engine.idle
 
 
 @pytest.mark.parametrize("stop", ["x" * 20_000, "ab" * 10_000 + "c"])

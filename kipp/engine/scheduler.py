@@ -346,8 +346,10 @@ class Scheduler:
             cancelled = [t for t in self._fifo if t.cancelled]
             for ticket in cancelled:
                 self._fifo.remove(ticket)
-            draining = list(self._fifo) if self._drain_deadline is not None else []
-            self._fifo = deque(t for t in self._fifo if t not in draining)
+            draining = []
+            if self._drain_deadline is not None:  # a draining scheduler runs nothing queued
+                draining = list(self._fifo)
+                self._fifo.clear()
         for ticket in cancelled:
             self.counters["cancelled"] += 1
             self._end_queued(ticket, Failed("cancelled", cancelled=True))
