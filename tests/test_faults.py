@@ -59,7 +59,7 @@ class Env:
 def _vs_transformers(env, model):
     tokens = [model.tokenizer.encode(p) for p in TRANSFORMERS_PROMPTS]
     got = np.concatenate([gates.all_position_logits(model, t) for t in tokens])
-    return gates._compare("vs transformers", got, env.transformers_logits(model),
+    return gates.compare("vs transformers", got, env.transformers_logits(model),
                           gates.calibrated_bound(model.backend, "transformers")).passed
 
 

@@ -52,7 +52,6 @@ __all__ = [
     "gate_vs_reference", "greedy_tokens", "nmse", "quality_report", "run_gates",
     "transformers_logits", "transformers_model",
 ]
-_compare = compare  # the name tests/test_faults.py calls
 
 
 def run_gates(model, source_dir, bf16_model=None) -> list[GateResult]:
