@@ -14,7 +14,8 @@ from kipp.text.stops import StopError, StopPatterns, StopStrings
 def naive(stops, pieces):
     """The oracle: after every character, cut at a stop string that ends there (the longest if
     several do); otherwise the text may be emitted except its longest suffix that is a proper
-    prefix of some stop string. Returns the emitted text after each piece and the final state."""
+    prefix of some stop string. Returns the emitted text after each piece, whether and where it
+    stopped, and the stop string that ended it."""
     text, emitted, outputs = "", 0, []
     for piece in pieces:
         for c in piece:
@@ -23,12 +24,12 @@ def naive(stops, pieces):
             if ending:
                 cut = len(text) - max(len(s) for s in ending)
                 outputs.append(text[emitted:cut])
-                return outputs, True, text[:cut]
+                return outputs, True, text[:cut], max(ending, key=len)
         hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
                    default=0)
         outputs.append(text[emitted: len(text) - hold])
         emitted = len(text) - hold
-    return outputs, False, text
+    return outputs, False, text, None
 
 
 alphabet = st.sampled_from("abc\u00e9")
@@ -38,7 +39,7 @@ alphabet = st.sampled_from("abc\u00e9")
 @given(stops=st.lists(st.text(alphabet, min_size=1, max_size=6), min_size=1, max_size=4),
        pieces=st.lists(st.text(alphabet, max_size=5), max_size=12))
 def test_matches_the_naive_rule(stops, pieces):
-    expected, stopped, full = naive(stops, pieces)
+    expected, stopped, full, which = naive(stops, pieces)
     s = StopStrings(StopPatterns(stops))
     got = []
     for piece in pieces:
@@ -48,6 +49,7 @@ def test_matches_the_naive_rule(stops, pieces):
             break
     assert got == expected
     assert hit if pieces and stopped else not s.stopped
+    assert s.hit == which  # the stop string Finished.stop reports
     if not stopped:
         assert "".join(got) + s.flush() == full
 

@@ -21,6 +21,7 @@ from kipp.engine.requests import Delta, Done, FinishReason, Ticket, TokenLogprob
 from kipp.engine.session import Session
 from kipp.engine.spec import SpecConfig, SpecStats
 from kipp.text.grammar import Matcher
+from kipp.text.reasoning import ThinkTracker
 from kipp.text.sampling import Sampler, logprobs
 
 
@@ -37,9 +38,12 @@ class Choice:
         model, request = run.model, run.request
         self.run, self.index, self.session = run, index, session
         self.sampler = Sampler(request.sampling, choice=index)
+        think = None
+        if request.reasoning is not None:
+            think = ThinkTracker(request.reasoning, run.scheduler.think_tokens, request.prompt)
         self.output = ChoiceOutput(index, model.tokenizer, model.entry.stop_token_ids,
                                    run.ticket.stops, request.max_tokens, request.logprobs,
-                                   run.ticket.put, matcher)
+                                   run.ticket.put, matcher, think)
         # Followers wait for the first choice's prompt blocks, unless the request adopts none
         # (then they prefill at once) or only scores its prompt (max_tokens 0: they never run).
         wait = index and (run.adopts or request.max_tokens == 0)
@@ -104,9 +108,12 @@ class Choice:
             self.run.prompt_done_at = time.perf_counter()
 
     def _pick(self, logits: np.ndarray, history=None) -> int:
-        allowed = None if self.matcher is None else self.matcher.allowed()
-        token = self.sampler.sample(logits, self.session.tokens if history is None
-                                    else history, allowed)
+        think = self.output.think
+        token = think.forced() if think is not None else None  # a reasoning budget's closing
+        if token is None:
+            allowed = None if self.matcher is None else self.matcher.allowed()
+            token = self.sampler.sample(logits, self.session.tokens if history is None
+                                        else history, allowed)
         before = len(self.output.generated)
         reason = self.output.accept(token, logits)
         self.run.scheduler.counters["generated_tokens"] += len(self.output.generated) - before
@@ -123,6 +130,10 @@ class Choice:
         # token must not pass max_tokens.
         room = min(self.session.remaining - 1,
                    self.run.request.max_tokens - len(self.output.generated) - 1)
+        think = self.output.think
+        free = think.free() if think is not None else None
+        if free is not None:  # the draft stops where a reasoning budget's closing starts
+            room = min(room, free - 1)
         budget = min(self.gate.budget(), room)
         draft = self.drafter.draft(self.session.tokens + [self.pending], budget) \
             if budget > 0 else []

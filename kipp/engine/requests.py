@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kipp.engine.spec import SpecConfig, SpecStats
 from kipp.text.grammar import Grammar, Matcher
+from kipp.text.reasoning import Part, Reasoning
 from kipp.text.sampling import SamplingParams
 from kipp.text.stops import StopPatterns
 
@@ -48,6 +49,8 @@ class Request:
     echo: bool = False  # events start with the prompt (its logprobs too when logprobs is set)
     # Speculative drafts for a greedy request (kipp.engine.spec); None: the scheduler's default.
     spec: SpecConfig | None = None
+    # A chat reply's think block: split off as its own part, bounded (kipp.text.reasoning).
+    reasoning: Reasoning | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -63,18 +66,21 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of one choice; `tokens` are the ids that produced it (with logprobs if asked)."""
+    """New text of one choice; `tokens` are the ids that produced it (with logprobs if asked);
+    `part` says whether the text is the reply's reasoning or its answer."""
 
     choice: int
     text: str
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    part: Part = Part.CONTENT
 
 
 @dataclass(frozen=True)
 class Finished:
     choice: int
     reason: FinishReason
+    stop: str | None = None  # the stop string that ended the choice, if one did
 
 
 @dataclass(frozen=True)

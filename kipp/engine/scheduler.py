@@ -25,6 +25,7 @@ is evaluated in a backend call of its own and adopts no published blocks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -53,6 +54,7 @@ from kipp.engine.requests import (  # noqa: F401  (the engine's request API, re-
 from kipp.engine.session import Session
 from kipp.errors import KippError
 from kipp.text.grammar import GrammarError, Matcher, grammar_tokenizer, masks_ahead, prefetch
+from kipp.text.reasoning import ThinkTokens, think_tokens
 
 log = logging.getLogger("kipp.engine.scheduler")
 
@@ -150,6 +152,14 @@ class Scheduler:
     def validate(self, request: Request, session: Session | None = None) -> None:
         """Raise SchedulerError, naming the field (`param`), for a request that can never run."""
         admission.check_request(self.model, request, self.max_batch, session)
+        if request.reasoning is not None and self.think_tokens is None:
+            raise SchedulerError("this model's vocabulary has no single-token <think> tags, so "
+                                 "its reasoning cannot be split or bounded", param="reasoning")
+
+    @functools.cached_property
+    def think_tokens(self) -> ThinkTokens | None:
+        """The model's think tags (kipp.text.reasoning), for requests with `reasoning`."""
+        return think_tokens(self.model.tokenizer)
 
     def default_max_tokens(self, prompt_tokens: int, n: int, preferred: int) -> int:
         """max_tokens for a request that gives none (kipp.engine.admission)."""

@@ -76,6 +76,14 @@ class StopStrings:
         """The text held back now."""
         return "".join(self._held)
 
+    @property
+    def hit(self) -> str | None:
+        """The stop string that ended the text (the longest, when several end together)."""
+        if not self.stopped:
+            return None
+        return max((s for s, q in zip(self.patterns.stops, self.matched) if q == len(s)),
+                   key=len)
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Return (text safe to emit now, whether a stop string was reached)."""
         if not self.patterns.stops:
