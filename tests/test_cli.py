@@ -62,7 +62,8 @@ def test_a_bad_flag_is_named_before_anything_loads(argv, flag, tmp_path, monkeyp
 
 @pytest.mark.parametrize("argv, message", [
     (["run", TINY, "--prompt", "x", "--spec"], "--spec is greedy only"),
-    (["run", TINY, "--prompt", "x", "--max-tokens", "4096"], "--max-tokens 4096 leaves no room"),
+    (["run", TINY, "--prompt", "x", "--max-tokens", "40960"],
+     "--max-tokens 40960 leaves no room"),
     (["chat", TINY, "--spec", "--temperature", "0.5"], "--spec is greedy only"),
 ])
 def test_flag_combinations_are_checked_before_loading(argv, message, tmp_path, monkeypatch,
@@ -168,7 +169,7 @@ def test_chat_keeps_the_conversation_kv_across_turns(artifacts, models, monkeypa
     model, messages, replies = models(TINY), [], []
     for line in ["Hi", "And then?", "Why?"]:
         messages.append({"role": "user", "content": line})
-        replies.append(model.chat(messages, 3, temperature=0))
+        replies.append(model.chat(messages, 3, temperature=0).content)
         messages.append({"role": "assistant", "content": replies[-1]})
     assert printed.out == "".join(reply + "\n" for reply in replies)
     assert "> " not in printed.out  # the prompt goes to stderr

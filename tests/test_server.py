@@ -4,10 +4,7 @@ same artifact and backend: the server's tokens must equal an isolated generation
 """
 
 import json
-import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -15,74 +12,17 @@ import urllib.request
 
 import pytest
 
+from live_server import LiveServer as Server
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("waitress")
 pytest.importorskip("prometheus_client")
 
+from kipp.http.app import MAX_BODY_BYTES  # noqa: E402
 from kipp.model import load  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 NO_END = {"151643": -100, "151645": -100}  # no <|endoftext|>, no <|im_end|>: runs to max_tokens
-
-
-class Server:
-    def __init__(self, artifact, *args):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kipp.cli", "serve", str(artifact), "--backend", "reference",
-             "--port", "0", *args], stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        self.log = []
-        while time.time() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                raise RuntimeError("kipp serve exited:\n" + "".join(self.log))
-            self.log.append(line)
-            found = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line)
-            if found:
-                self.port = int(found.group(1))
-                break
-        else:
-            raise RuntimeError("kipp serve did not start:\n" + "".join(self.log))
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain the log
-        self.url = f"http://127.0.0.1:{self.port}"
-        assert self.get("/health")[0] == 200
-
-    def request(self, method, path, body=None, raw: bytes | None = None, headers=None):
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as response:
-                return response.status, response.read().decode(), dict(response.headers)
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(), dict(e.headers)
-
-    def get(self, path):
-        return self.request("GET", path)
-
-    def post(self, path, body=None, **kwargs):
-        return self.request("POST", path, body, **kwargs)
-
-    def metrics(self) -> dict[str, float]:
-        _, text, _ = self.get("/metrics")
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
-        return values
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                             timeout=120)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +95,7 @@ def test_openai_chat_plain_and_streamed(server, oracle):
     client = server.client()
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What does Kipp do?"}]
-    expected = oracle.chat(messages, 10, temperature=0.8, seed=3, enable_thinking=False)
+    expected = oracle.chat(messages, 10, temperature=0.8, seed=3, enable_thinking=False).content
     r = client.chat.completions.create(
         model=TINY, messages=messages, max_tokens=10, temperature=0.8, seed=3, n=3,
         logprobs=True, top_logprobs=4, extra_body={"chat_template_kwargs":
@@ -385,7 +325,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 10_000}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": TINY, "messages": [{"role": "user",
-                                                           "content": "x " * 5000}]}, 400,
+                                                           "content": "x " * 41_000}]}, 400,
      "messages"),
 ]
 
@@ -405,7 +345,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
 
 
 def test_server_keeps_serving_after_bad_input_and_odd_requests(server):
-    status, text, _ = server.post("/v1/completions", raw=b"x" * (5 << 20))
+    status, text, _ = server.post("/v1/completions", raw=b"x" * (MAX_BODY_BYTES + 1))
     assert status == 413 and json.loads(text)["error"]["code"] == "request_too_large"
     status, text, _ = server.get("/v1/nope")
     assert status == 404 and "error" in json.loads(text)

@@ -21,21 +21,22 @@ from kipp.backend import KV_BLOCK  # noqa: E402
 from kipp.engine.scheduler import Done, Failed, Request, Scheduler, ShuttingDown, collect  # noqa: E402
 from kipp.formats.registry import IM_END_ID  # noqa: E402
 from kipp.http.app import MAX_JSON_DEPTH, create_app  # noqa: E402
-from kipp.http.schema import MAX_STOP_CHARS  # noqa: E402
+from kipp.http.fields import MAX_STOP_CHARS  # noqa: E402
 from kipp.model import load  # noqa: E402
 from kipp.text.sampling import SamplingParams, logprobs  # noqa: E402
 
 TINY = "kipp-synthetic/qwen3-tiny"
 END_NOW = {str(IM_END_ID): 100}  # a bias that ends every choice at its first token
-CONTEXT = 4096  # the tiny checkpoints' context length
+CONTEXT = 40960  # the tiny instruct checkpoint's context length (the instruct family's)
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def model(artifacts):
-    # The default pool: one context (4096 tokens, 128 blocks), as `kipp serve` gets it.
-    return load(artifacts(TINY), backend="reference", progress=False)
+    # A 4,096-token pool (128 blocks) under the 40,960-token context: the pool, not the
+    # context, is what runs out first here.
+    return load(artifacts(TINY), backend="reference", kv_tokens=4096, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_a_batch_is_all_or_nothing(served, model):
     before = scheduler.counters["requests"]
     status, r = post(client, "/v1/completions", prompt=["fine", [1, 2], "x"], max_tokens=2)
     assert status == 400 and r["error"]["param"] == "prompt"
-    status, r = post(client, "/v1/completions", prompt=[[1] * 3, [1] * 10], max_tokens=4090)
+    status, r = post(client, "/v1/completions", prompt=[[1] * 3, [1] * 10], max_tokens=CONTEXT - 6)
     assert status == 400 and r["error"]["param"] == "max_tokens"
     assert scheduler.counters["requests"] == before  # nothing was queued
 
@@ -290,11 +291,11 @@ PARAMS = [
      "KV blocks"),
     ("/v1/completions", {"prompt": "x", "stop": ["y" * (MAX_STOP_CHARS + 1)]}, "stop",
      "characters"),
-    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 5000}, "max_completion_tokens",
-     "max_completion_tokens (5000)"),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": CONTEXT}, "max_completion_tokens",
+     f"max_completion_tokens ({CONTEXT})"),
     (CHAT, {"messages": MESSAGES, "max_completion_tokens": 1000, "n": 8},
      "max_completion_tokens", "KV blocks"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi " * 5000}]}, "messages",
+    (CHAT, {"messages": [{"role": "user", "content": "hi " * (CONTEXT + 10)}]}, "messages",
      "longer than the context"),
     (CHAT, {"messages": MESSAGES, "logit_bias": {"151936": 1}}, "logit_bias", "vocabulary"),
 ]

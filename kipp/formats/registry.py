@@ -193,16 +193,21 @@ _ENTRIES = [
     _hub("Qwen/Qwen3-32B", "9216db5781bf21249d130ec9da846c4624c16137",
          "instruct", 5120, 25600, 64, 64, 40960, 1e6, False, ["tied"]),
     # Synthetic checkpoints: seeded random weights, real architecture and file layout.
-    Checkpoint("kipp-synthetic/qwen3-tiny", "synthetic-v4-seed-1", "instruct",
-               256, 768, 2, 16, 4096, 1e6, True, synthetic=Synthetic(seed=1, init_std=0.08)),
-    Checkpoint("kipp-synthetic/qwen3-tiny-base", "synthetic-v4-seed-2", "base",
+    # The instruct family's 40,960-token context: an agent's system prompt and tools fit.
+    Checkpoint("kipp-synthetic/qwen3-tiny", "synthetic-v5-seed-1", "instruct",
+               256, 768, 2, 16, 40960, 1e6, True, synthetic=Synthetic(seed=1, init_std=0.08)),
+    Checkpoint("kipp-synthetic/qwen3-tiny-base", "synthetic-v5-seed-2", "base",
                256, 768, 2, 16, 4096, 1e6, True, synthetic=Synthetic(seed=2, init_std=0.08)),
     # Untied lm_head, 5 query heads per KV head (as at 14B), a sharded safetensors layout.
-    Checkpoint("kipp-synthetic/qwen3-tiny-untied", "synthetic-v4-seed-3", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-tiny-untied", "synthetic-v5-seed-3", "instruct",
                256, 768, 2, 40, 4096, 1e6, False,
                synthetic=Synthetic(seed=3, init_std=0.08, shards=2)),
+    # The thinking variant: Qwen3-4B-Thinking-2507's template opens the think block in the
+    # prompt, so the reasoning split and budget run on real replies.
+    Checkpoint("kipp-synthetic/qwen3-tiny-thinking", "synthetic-v5-seed-5", "thinking",
+               256, 768, 2, 16, 40960, 1e6, True, synthetic=Synthetic(seed=5, init_std=0.08)),
     # The exact Qwen3-0.6B shapes, for benchmarks.
-    Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v4-seed-4", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v5-seed-4", "instruct",
                1024, 3072, 28, 16, 40960, 1e6, True, synthetic=Synthetic(seed=4, init_std=0.04)),
 ]
 

@@ -23,9 +23,9 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from kipp.errors import KippError
+from kipp.text.tokenizer_files import thinking_2507_template, tokenizer_config
 
 ROLES = ("system", "user", "assistant", "tool")
 EMPTY_THINK = "<think>\n\n</think>\n\n"
@@ -34,6 +34,7 @@ TEMPLATES = ("qwen3", "qwen3-thinking-2507")  # what render(template=...) can re
 # Registry entries whose upstream template is not the hybrid Qwen3 one. Instruct-2507's exact
 # text could not be verified offline (data/chat-templates/PROVENANCE.md): no renderer for it.
 ENTRY_TEMPLATES = {"Qwen/Qwen3-4B-Thinking-2507": "qwen3-thinking-2507",
+                   "kipp-synthetic/qwen3-tiny-thinking": "qwen3-thinking-2507",
                    "Qwen/Qwen3-4B-Instruct-2507": "qwen3-instruct-2507"}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # transformers (>= 5) reads a message's reasoning under these names, first non-None wins.
@@ -112,6 +113,17 @@ def close_reasoning(prompt: str, template: str = "qwen3") -> str:
     return prompt
 
 
+def reply_prompt(messages, *, tools=None, template: str = "qwen3", enable_thinking: bool = True,
+                 constrained: bool = False, reasoning_budget: int | None = None) -> str:
+    """The prompt of an assistant reply to `messages`: rendered, and with the think block
+    closed empty when the reply may not think (a grammar governs it, or a budget of 0)."""
+    text = render(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
+                  tools=tools, template=template)
+    if constrained or reasoning_budget == 0:
+        text = close_reasoning(text, template)
+    return text
+
+
 def template_name(chat_template: str | None) -> str:
     """Which of TEMPLATES a checkpoint's template text is; ChatError if none (a template
     kipp.text.chat does not render must not be approximated)."""
@@ -125,15 +137,6 @@ def template_name(chat_template: str | None) -> str:
     raise ChatError("this checkpoint's chat template is not one kipp.text.chat renders (the hybrid "
                     "Qwen3 template or Qwen3-4B-Thinking-2507's); see "
                     "kipp/data/chat-templates/PROVENANCE.md")
-
-
-@lru_cache(maxsize=1)
-def thinking_2507_template() -> str:
-    """The Qwen3-4B-Thinking-2507 template text Kipp carries (data/chat-templates)."""
-    from importlib import resources
-
-    path = resources.files("kipp").joinpath("data/chat-templates/qwen3-thinking-2507.jinja")
-    return path.read_text(encoding="utf-8")
 
 
 def require_chat_template(source) -> None:
@@ -156,8 +159,6 @@ def require_chat_template(source) -> None:
 
 def qwen3_chat_template() -> str:
     """The upstream Qwen3 template string (from the tokenizer_config.json Kipp ships)."""
-    from kipp.text.tokenizer_files import tokenizer_config
-
     return tokenizer_config("instruct")["chat_template"]
 
 

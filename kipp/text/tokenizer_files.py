@@ -34,11 +34,23 @@ def _instruct_config() -> dict:
 
 
 def tokenizer_config(variant: str) -> dict:
-    """tokenizer_config.json for a variant: the upstream instruct file, or its base form."""
+    """tokenizer_config.json for a variant: the upstream instruct file, its base form, or its
+    thinking form (Qwen3-4B-Thinking-2507's chat template, which opens the think block)."""
     config = copy.deepcopy(_instruct_config())
     if variant == "base":
         config["eos_token"] = "<|endoftext|>"
         config.pop("chat_template", None)
-    elif variant not in ("instruct", "thinking"):
+    elif variant == "thinking":
+        config["chat_template"] = thinking_2507_template()
+    elif variant != "instruct":
         raise ValueError(f"unknown variant {variant!r}")
     return config
+
+
+@lru_cache(maxsize=1)
+def thinking_2507_template() -> str:
+    """The Qwen3-4B-Thinking-2507 template text Kipp carries (data/chat-templates)."""
+    from importlib import resources
+
+    path = resources.files("kipp").joinpath("data/chat-templates/qwen3-thinking-2507.jinja")
+    return path.read_text(encoding="utf-8")
