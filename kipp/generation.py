@@ -20,6 +20,7 @@ from kipp.engine.requests import Delta, Done, Failed, Finished, Request, TokenLo
 from kipp.engine.session import Session
 from kipp.engine.spec import SpecConfig, SpecStats
 from kipp.errors import KippError
+from kipp.text.reasoning import Part
 from kipp.text.sampling import SamplingParams
 from kipp.text.stops import StopError
 
@@ -70,7 +71,7 @@ class GenerationStats:
 
 def request_for(model, prompt: list[int], max_tokens: int, stop, params: SamplingParams,
                 speculative: bool | SpecConfig = False, session: Session | None = None,
-                grammar=None, logprobs: int | None = None) -> Request:
+                grammar=None, logprobs: int | None = None, reasoning=None) -> Request:
     """generate()'s arguments as a scheduler Request, or a GenerationError naming the bad one."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -85,7 +86,7 @@ def request_for(model, prompt: list[int], max_tokens: int, stop, params: Samplin
     stops = [stop] if isinstance(stop, str) else list(stop or [])  # checked by StopPatterns
     spec = SpecConfig() if speculative is True else speculative or None
     return Request(tuple(prompt), max_tokens, sampling=params, stop=tuple(stops),
-                   logprobs=logprobs, grammar=grammar, spec=spec)
+                   logprobs=logprobs, grammar=grammar, spec=spec, reasoning=reasoning)
 
 
 def check_session(model, session: Session) -> None:
@@ -98,9 +99,22 @@ def check_session(model, session: Session) -> None:
         raise GenerationError("the session is closed")
 
 
+class Piece(str):
+    """A streamed piece of text; `part` says whether it is the reply's reasoning or answer."""
+
+    part: Part
+
+    def __new__(cls, text: str, part: Part = Part.CONTENT):
+        piece = super().__new__(cls, text)
+        piece.part = part
+        return piece
+
+
 class Generation:
     """One streaming generation: iterate for text pieces (`for`, or `async for` in async code);
-    `text` holds what has been produced so far and `stats` the counts and timings."""
+    each is a Piece, a str whose `part` says reasoning or answer. `text` holds the answer so
+    far, `reasoning` the reasoning (a chat reply split at its think block), and `stats` the
+    counts and timings."""
 
     def __init__(self, model, request: Request, session: Session | None = None):
         self.model = model
@@ -109,6 +123,7 @@ class Generation:
                                      spec=SpecStats() if request.spec else None)
         self.session = session  # borrowed: left open, holding prompt + reply, for the next call
         self.text = ""
+        self.reasoning = ""
         self.state = GenerationState.NOT_STARTED
         self._engine = model.engine
         try:
@@ -119,7 +134,7 @@ class Generation:
     def __iter__(self) -> Iterator[str]:
         return self
 
-    def __next__(self) -> str:
+    def __next__(self) -> Piece:
         if self.state in (GenerationState.FINISHED, GenerationState.STOPPED,
                           GenerationState.FAILED):
             raise StopIteration
@@ -136,7 +151,10 @@ class Generation:
         if piece is None:
             self.state = GenerationState.FINISHED
             raise StopIteration
-        self.text += piece
+        if piece.part is Part.REASONING:
+            self.reasoning += piece
+        else:
+            self.text += piece
         return piece
 
     def _enqueue(self) -> None:
@@ -146,7 +164,7 @@ class Generation:
             self.state = GenerationState.FAILED
             raise GenerationError(str(e)) from None
 
-    def _next_piece(self) -> str | None:
+    def _next_piece(self) -> Piece | None:
         """Step the engine until this request's next text (None: it has ended)."""
         while True:
             event = self._ticket.poll()
@@ -163,7 +181,7 @@ class Generation:
                 self.stats.logprobs.extend(event.logprobs)
                 self.stats.completion_tokens += len(event.tokens)
                 if event.text:
-                    return event.text
+                    return Piece(event.text, event.part)
             elif isinstance(event, Finished):
                 self.stats.finish_reason = str(event.reason)
             elif isinstance(event, Done):
@@ -190,7 +208,7 @@ class Generation:
     def __aiter__(self) -> Generation:
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> Piece:
         """The next piece, from async code. Each step runs on the calling thread (the model is
         not thread-safe, and MLX streams are per thread), so the event loop waits for one
         step at a time and serves its other tasks between them."""
@@ -241,23 +259,33 @@ def constraint(json_schema=None, regex=None, grammar=None):
 
 @dataclass
 class ChatReply:
-    """A chat() reply when tools were offered: the text and the calls the model made."""
+    """A chat() reply: the answer (`content`), the reasoning before it (None when the reply
+    had no think block or it was left inline), and the tool calls the model made."""
 
     content: str | None
-    tool_calls: list
-    finish_reason: str | None
+    reasoning: str | None = None
+    tool_calls: list = field(default_factory=list)
+    finish_reason: str | None = None
 
     @classmethod
-    def parse(cls, text: str, finish_reason: str | None) -> ChatReply:
+    def parse(cls, generation: Generation, tools: bool) -> ChatReply:
+        """The reply of a finished chat generation; `tools`: parse its <tool_call> blocks."""
         from kipp.text.chat import parse_tool_calls, reply_finish_reason
 
-        content, calls = parse_tool_calls(text)
-        return cls(content, calls, reply_finish_reason(finish_reason, calls))
+        reasoning = generation.reasoning or None
+        reason = generation.stats.finish_reason
+        if not tools:
+            return cls(generation.text, reasoning, [], reason)
+        content, calls = parse_tool_calls(generation.text)
+        return cls(content, reasoning, calls, reply_finish_reason(reason, calls))
 
     @property
     def message(self) -> dict:
-        """The assistant message to append to the conversation (OpenAI's shape)."""
+        """The assistant message to append to the conversation (OpenAI's shape; the chat
+        template keeps its reasoning only where Qwen3's would)."""
         message = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.openai() for call in self.tool_calls]
         return message

@@ -261,48 +261,72 @@ class Model:
         text or pydantic model class: the output is one JSON value valid against it), `regex`
         (the output matches it in full), `grammar` (Lark or GBNF text, or a Grammar).
         Generation ends ("stop") as soon as the grammar is complete."""
+        generation = self._generation(prompt, max_tokens, stop=stop, speculative=speculative,
+                                      session=session, json_schema=json_schema, regex=regex,
+                                      grammar=grammar, logprobs=logprobs, **sampling)
+        return generation if stream else "".join(generation)
+
+    def _generation(self, prompt, max_tokens: int, *, stop=None, speculative=False,
+                    session=None, json_schema=None, regex=None, grammar=None, logprobs=None,
+                    reasoning=None, **sampling) -> Generation:
         request = request_for(self, self.prompt_ids(prompt), max_tokens, stop,
                               SamplingParams(**sampling), speculative=speculative,
                               session=session, grammar=constraint(json_schema, regex, grammar),
-                              logprobs=logprobs)
-        generation = Generation(self, request, session)
-        return generation if stream else "".join(generation)
+                              logprobs=logprobs, reasoning=reasoning)
+        return Generation(self, request, session)
 
     def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,
              stream: bool = False, response_format=None, tools=None, tool_choice=None,
-             parallel_tool_calls: bool = True, **kwargs) -> "str | ChatReply | Generation":
-        """Generate the assistant's reply to `messages` (instruct checkpoints only). Keywords
-        are generate's; pass the same `session` every turn to keep the conversation's KV.
+             parallel_tool_calls: bool = True, reasoning_format: str = "auto",
+             max_reasoning_tokens: int | None = None, reasoning_effort: str | None = None,
+             **kwargs) -> "ChatReply | Generation":
+        """Generate the assistant's reply to `messages` (instruct checkpoints only): a
+        ChatReply with the answer (`content`, also its str()), the `reasoning` before it and
+        the `tool_calls`. Keywords are generate's; pass the same `session` every turn to keep
+        the conversation's KV. With stream=True, a Generation whose pieces say their `part`
+        ("reasoning" or "content").
+
+        Reasoning: the reply's think block is split off (`reasoning_format="none"` keeps it
+        inline in the content, tags and all). `max_reasoning_tokens` bounds the block (the
+        closing Kipp writes when it runs out included; 0: no thinking); `reasoning_effort`
+        ("none", "minimal", "low", "medium", "high", "xhigh") picks a bound by name
+        (kipp.text.reasoning.EFFORT_BUDGETS). `enable_thinking=False` asks the hybrid template
+        for an answer without a block.
 
         `response_format`: OpenAI's ({"type": "json_object"}, {"type": "json_schema",
         "json_schema": {"name", "schema"}}), a pydantic model class or a JSON Schema dict; the
         reply is then JSON text that validates. `tools` (OpenAI function tools) are shown to
-        the model and its <tool_call> blocks parsed: the result is a ChatReply with `content`
-        and `tool_calls`. `tool_choice`: "auto" (default), "none", "required" (one or more
-        calls; exactly one unless `parallel_tool_calls`) or {"type": "function", "function":
-        {"name": ...}}; required and named calls are constrained to valid calls whose arguments
-        match the function's schema. A constrained reply starts after an empty think block.
-        With stream=True the text pieces come as they are made (kipp.text.chat.parse_tool_calls
-        splits the whole text afterwards)."""
-        from kipp.text.chat import chat_grammar, close_reasoning, render
+        the model and its <tool_call> blocks parsed into `tool_calls`. `tool_choice`: "auto"
+        (default), "none", "required" (one or more calls; exactly one unless
+        `parallel_tool_calls`) or {"type": "function", "function": {"name": ...}}; required and
+        named calls are constrained to valid calls whose arguments match the function's
+        schema. A constrained reply starts after an empty think block."""
+        from kipp.text.chat import chat_grammar, reply_prompt
+        from kipp.text.reasoning import effort_budget, reasoning_for
 
         if not self.entry.has_chat_template:
             raise GenerationError(f"{self.entry.id} is a base checkpoint: it has no chat "
                                   f"template; use generate()")
+        if max_reasoning_tokens is not None and reasoning_effort is not None:
+            raise GenerationError("give max_reasoning_tokens or reasoning_effort, not both")
+        try:
+            budget = (max_reasoning_tokens if reasoning_effort is None
+                      else effort_budget(reasoning_effort))
+            reasoning = reasoning_for(reasoning_format, budget)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
         grammar = chat_grammar(response_format, tools, tool_choice, parallel_tool_calls,
                                bare_schema=True)
-        template = self.chat_template
-        text = render(messages, add_generation_prompt=True, enable_thinking=enable_thinking,
-                      tools=tools, template=template)
-        if grammar is not None:
-            text = close_reasoning(text, template)
-        generation = self.generate(text, max_tokens, stream=True, grammar=grammar, **kwargs)
+        text = reply_prompt(messages, tools=tools, template=self.chat_template,
+                            enable_thinking=enable_thinking, constrained=grammar is not None,
+                            reasoning_budget=budget)
+        generation = self._generation(text, max_tokens, grammar=grammar, reasoning=reasoning,
+                                      **kwargs)
         if stream:
             return generation
-        reply = "".join(generation)
-        if not tools or tool_choice == "none":
-            return reply
-        return ChatReply.parse(reply, generation.stats.finish_reason)
+        for _ in generation:
+            pass
+        return ChatReply.parse(generation, tools is not None and tool_choice != "none")
 
     @property
     def chat_template(self) -> str:

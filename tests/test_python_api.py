@@ -229,7 +229,7 @@ def test_a_conversation_in_one_session_reuses_earlier_turns(models):
         for turn, question in enumerate(["And then?", "Why?"]):
             reply = model.chat(messages, max_tokens=3, temperature=0, session=s, stream=True)
             text = "".join(reply)
-            assert text == model.chat(messages, max_tokens=3, temperature=0)
+            assert text == model.chat(messages, max_tokens=3, temperature=0).content
             if turn > 0:  # the session's own KV of the earlier turns (the first turn may adopt
                 assert reply.stats.reused_tokens > 0  # blocks earlier calls left in the pool)
             messages += [{"role": "assistant", "content": text},
@@ -286,7 +286,8 @@ def test_constrained_replies_continue_a_session(models):
     messages = [{"role": "user", "content": "A number?"}]
     with model.session() as s:
         for turn in range(2):
-            want = model.chat(messages, max_tokens=16, temperature=0, response_format=schema)
+            want = model.chat(messages, max_tokens=16, temperature=0,
+                              response_format=schema).content
             reply = model.chat(messages, max_tokens=16, temperature=0, response_format=schema,
                                session=s, stream=True)
             text = "".join(reply)

@@ -11,7 +11,7 @@ from kipp.engine.blocks import PoolExhausted
 from kipp.engine.session import SessionError
 from kipp.errors import ArtifactError, RegistryError
 from kipp.formats.artifact import open_artifact
-from kipp.model import GenerationError, load
+from kipp.model import ChatReply, GenerationError, load
 from kipp.reference import ops
 
 TINY = "kipp-synthetic/qwen3-tiny"
@@ -206,7 +206,7 @@ def test_stop_string_ends_generation_and_is_not_emitted(models):
 
 def test_chat_needs_an_instruct_checkpoint(models):
     reply = models(TINY).chat([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
-    assert isinstance(reply, str)
+    assert isinstance(reply, ChatReply) and isinstance(reply.content, str)
     with pytest.raises(GenerationError, match="base checkpoint"):
         models(BASE).chat([{"role": "user", "content": "Hi"}], max_tokens=4)
 

@@ -316,11 +316,12 @@ def test_chat_response_formats(jax_model):
     for fmt in (Reading, {"type": "json_schema", "json_schema": {
             "name": "reading", "schema": closed(Reading.model_json_schema()),
             "strict": True}}):
-        text = jax_model.chat(messages, 64, temperature=0.5, seed=4, response_format=fmt)
+        text = jax_model.chat(messages, 64, temperature=0.5, seed=4, response_format=fmt).content
         Reading.model_validate_json(text)
     # JSON mode bounds nothing but the syntax: a weak model may not close its strings within
     # max_tokens, so the check is that the text is a JSON object or a prefix the grammar admits
-    text = jax_model.chat(messages, 48, temperature=0, response_format={"type": "json_object"})
+    text = jax_model.chat(messages, 48, temperature=0,
+                          response_format={"type": "json_object"}).content
     matcher = g.Matcher(g.grammar_tokenizer(jax_model.tokenizer, jax_model.entry.stop_token_ids),
                         g.json_object_grammar())
     for token in jax_model.tokenizer.encode(text):
