@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -170,12 +171,24 @@ def _read_turn() -> str | None:
 
 def _serve(args) -> None:
     from kipp.http import serve
+    from kipp.http.app import Access
 
+    api_key = args.api_key or (os.environ.get(args.api_key_env) if args.api_key_env else None)
+    if args.api_key_env and not api_key:
+        raise SystemExit(f"kipp serve: --api-key-env {args.api_key_env}: that environment "
+                         f"variable is not set")
+    if any(not s for s in args.stop or ()):
+        raise SystemExit("kipp serve: --stop needs a non-empty string")
+    access = Access(api_key=api_key, protect_info=args.protect_health,
+                    cors_origins=tuple(args.cors_origin or ()))
     model = _load(args)
     serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           prefill_chunk=args.prefill_chunk, threads=args.threads,
+          served_names=tuple(args.served_model_name or ()),
           chat_max_tokens=args.chat_max_tokens, speculative=args.spec,
-          drain_timeout=args.drain_timeout)
+          drain_timeout=args.drain_timeout, reasoning_format=args.reasoning_format,
+          max_output_tokens=args.max_output_tokens, stops=tuple(args.stop or ()),
+          access=access)
 
 
 def _bench(args) -> int:
@@ -369,6 +382,7 @@ def _add_generation_commands(commands) -> None:
 
 def _add_serve_command(commands) -> None:
     from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK
+    from kipp.text.reasoning import REASONING_FORMATS
 
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _add_model_arguments(p)
@@ -391,11 +405,33 @@ def _add_serve_command(commands) -> None:
                    help="max_tokens of a chat request that gives none (default 1024, cut to "
                    "the request's share of the KV pool: pool / max-batch; more than chat()'s "
                    "256, as OpenAI clients leave it out and expect a whole answer)")
+    p.add_argument("--max-output-tokens", type=_at_least(1), metavar="N",
+                   help="the most tokens a chat, Responses or Messages reply may generate: a "
+                   "request asking more is cut to N (agents ask for 32,000)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop string every chat, Responses and Messages reply also ends at "
+                   "(repeat; for a model that runs on past its turn)")
     p.add_argument("--drain-timeout", type=_positive_float, default=10.0,
                    help="on SIGTERM/SIGINT: seconds until exit; running requests may finish "
                    "until shortly before it")
     p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
+    p.add_argument("--served-model-name", action="append", metavar="NAME",
+                   help="a model name requests may give (repeat for aliases; the first is the "
+                   "one responses report; default: the checkpoint id)")
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="auto",
+                   help="auto (default; deepseek is the same): a chat reply's think block goes "
+                   "to reasoning_content / reasoning; none: left inline in the content")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or "
+                     "x-api-key: KEY) on every route but /health and /metrics")
+    key.add_argument("--api-key-env", metavar="VAR", help="the same, read from this "
+                     "environment variable (keeps the key out of the process list)")
+    p.add_argument("--protect-health", action="store_true", help="with a key: /health and "
+                   "/metrics need it too")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="allow browser requests from this origin (repeat; '*' for any); "
+                   "off by default")
     p.set_defaults(run=_serve)
 
 

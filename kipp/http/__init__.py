@@ -32,12 +32,16 @@ _END_MARGIN_SECONDS = 1.0
 
 def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 8,
           max_queue: int = 64, prefill_chunk: int | None = None, threads: int = DEFAULT_THREADS,
-          model_name: str | None = None, chat_max_tokens: int | None = None,
-          speculative: bool = False, drain_timeout: float = DEFAULT_DRAIN_SECONDS) -> None:
+          model_name: str | None = None, served_names: tuple[str, ...] = (),
+          chat_max_tokens: int | None = None, speculative: bool = False,
+          drain_timeout: float = DEFAULT_DRAIN_SECONDS, reasoning_format: str = "auto",
+          max_output_tokens: int | None = None, stops: tuple[str, ...] = (),
+          access=None) -> None:
     """Run the engine thread and the HTTP server until SIGTERM or SIGINT, then drain for up to
     `drain_timeout` seconds and return. `port` 0 picks a free port; the line "kipp: serving
     MODEL on http://HOST:PORT" on stderr says which. `speculative` decodes greedy requests with
-    prompt-lookup speculation (same tokens, fewer evals)."""
+    prompt-lookup speculation (same tokens, fewer evals). `served_names` are the model names
+    requests may give; `access` (kipp.http.app.Access) the API key and CORS origins."""
     import waitress
 
     from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
@@ -46,8 +50,10 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
     scheduler = Scheduler(model, max_batch=max_batch, max_queue=max_queue,
                           prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK,
                           speculative=speculative)
-    app = create_app(model, scheduler, model_name=model_name,
-                     chat_max_tokens=chat_max_tokens or DEFAULT_CHAT_MAX_TOKENS)
+    app = create_app(model, scheduler, model_name=model_name, served_names=served_names,
+                     chat_max_tokens=chat_max_tokens or DEFAULT_CHAT_MAX_TOKENS,
+                     reasoning_format=reasoning_format, max_output_tokens=max_output_tokens,
+                     stops=stops, access=access)
     # channel_request_lookahead: a channel stays readable while its request runs, so a client
     # that closes its connection is seen (waitress.client_disconnected) and its request ends.
     sockets: dict = {}
@@ -56,7 +62,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
                                     channel_timeout=300, channel_request_lookahead=1,
                                     ident="kipp")
     scheduler.start()
-    name = model_name or model.entry.id
+    name = served_names[0] if served_names else model_name or model.entry.id
     print(f"kipp: serving {name} on http://{host}:{server.effective_port} "
           f"({model.backend.describe()}, batch {max_batch}, queue {max_queue}, "
           f"{model.pool.num_blocks} KV blocks{', speculative' if speculative else ''})",

@@ -1,22 +1,26 @@
-"""The Flask app: thin handlers over the scheduler, OpenAI's response and chunk shapes.
+"""The Flask app: thin handlers over the scheduler, one translator per API.
 
-A handler parses the body into a Call (kipp.http.schema), submits its Requests to the scheduler
-(one per prompt, as a TicketGroup) and turns the events into a JSON response or a server-sent
-event stream (kipp.http.shape). Handlers never touch the model: the tokenizer (pure) is the one
-model attribute they read, for prompts and for the text of logprob tokens. A client that goes
-away cancels its own request, streamed or not: a waiting handler polls waitress's
-`client_disconnected` (the server runs with a request lookahead so that it sees the connection
-close), and for a stream the WSGI server also closes the response iterator, whose `finally`
-cancels the tickets.
+A handler parses the body into a Call (kipp.http.schema for OpenAI's chat and completions,
+kipp.http.responses for the Responses API, kipp.http.messages for Anthropic's Messages API),
+submits its Requests to the scheduler (one per prompt, as a TicketGroup) and turns the events
+into a JSON response or a server-sent event stream through the API's Shape (kipp.http.shape).
+Every API answers its errors in its own shape (error_shape_for). Handlers never touch the
+model: the tokenizer (pure) is the one model attribute they read, for prompts and for the text
+of logprob tokens. A client that goes away cancels its own request, streamed or not: a
+waiting handler polls waitress's `client_disconnected` (the server runs with a request
+lookahead so that it sees the connection close), and for a stream the WSGI server also closes
+the response iterator, whose `finally` cancels the tickets.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
 import re
 import time
+from dataclasses import dataclass
 
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
@@ -30,38 +34,141 @@ from kipp.engine.scheduler import (
     ShuttingDown,
     Ticket,
 )
+from kipp.http.fields import MAX_JSON_DEPTH, json_body  # noqa: F401  (MAX_JSON_DEPTH: API)
 from kipp.http.metrics import Metrics
-from kipp.http.schema import APIError, Call, parse_chat, parse_completion
-from kipp.http.shape import Shape, TokenText, shape_for
+from kipp.http.schema import APIError, Call, ChatContext, parse_chat, parse_completion
+from kipp.http.shape import Shape, TokenText, error_shape, shape_for
 
 log = logging.getLogger("kipp.http")
 
-MAX_BODY_BYTES = 4 << 20
-MAX_JSON_DEPTH = 128  # nesting of arrays and objects in a body; deeper is a 400
+MAX_BODY_BYTES = 32 << 20  # agents send tens of thousands of tokens of tools and history
 DEFAULT_CHAT_MAX_TOKENS = 1024
 # How often a waiting handler checks that the engine is alive and the client still there.
 EVENT_POLL_SECONDS = 0.25
+OPEN_PATHS = ("/health", "/metrics")  # open without the API key unless the server closes them
+
+
+@dataclass
+class Access:
+    """Who may call the server and from which web origins (kipp serve's flags)."""
+
+    api_key: str | None = None  # Bearer or x-api-key; None: open
+    protect_info: bool = False  # /health and /metrics need the key too
+    cors_origins: tuple[str, ...] = ()  # "*" for any; empty: no CORS headers
+
+
+class Server:
+    """The app's shared state: the model, the scheduler, the served names, and `answer`, the one
+    path from a parsed Call to its response that every API's handler takes."""
+
+    def __init__(self, model, scheduler, served: tuple[str, ...], chat_max_tokens: int,
+                 reasoning_format: str = "auto", max_output_tokens: int | None = None,
+                 stops: tuple[str, ...] = ()):
+        self.model, self.scheduler = model, scheduler
+        self.served = served  # the first is the name responses report
+        self.tokenizer = model.tokenizer
+        self.token_text = TokenText(model.tokenizer)
+        self.metrics = Metrics(scheduler)
+        self.chat_max_tokens = chat_max_tokens
+        self.reasoning_format = reasoning_format
+        self.max_output_tokens = max_output_tokens  # a ceiling on every chat-family reply
+        self.stops = stops  # stop strings every chat-family reply also ends at
+        self.template = _chat_template(model, served[0])
+
+    @property
+    def name(self) -> str:
+        return self.served[0]
+
+    def chat_context(self) -> ChatContext:
+        """What a chat translator needs (kipp.http.schema.chat_request)."""
+        return ChatContext(self.served, self.tokenizer, self.template, self.max_tokens,
+                           self.reasoning_format, self.stops)
+
+    def max_tokens(self, prompt_tokens: int, n: int, asked: int | None, *,
+                   clamp: bool = False) -> int:
+        """A chat reply's max_tokens: the server's default when none is asked; with `clamp`,
+        what is asked cut to the room the context and the pool leave; never more than the
+        server's --max-output-tokens."""
+        ceiling = self.max_output_tokens
+        if asked is None:
+            preferred = self.chat_max_tokens if ceiling is None else min(self.chat_max_tokens,
+                                                                         ceiling)
+            return self.scheduler.default_max_tokens(prompt_tokens, n, preferred)
+        if ceiling is not None:
+            asked = min(asked, ceiling)
+        if clamp:
+            return self.scheduler.default_max_tokens(prompt_tokens, n, asked)
+        return asked
+
+    def answer(self, call: Call, shape: Shape, endpoint: str):
+        """Submit the call and answer: an SSE stream, or the whole response once it is done."""
+        ticket = _submit(self.scheduler, call)
+        gone = request.environ.get("waitress.client_disconnected")
+        if call.stream:
+            return Response(_sse(ticket, shape, self, endpoint, gone),
+                            content_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                     **shape.headers()})
+        try:
+            events = list(_events(ticket, self.scheduler, gone))
+        finally:
+            if not ticket.ended:
+                ticket.cancel()
+        last = events[-1]
+        if isinstance(last, Failed):
+            raise _failure(last)
+        self.metrics.observe(ticket, endpoint)
+        response = json_response(shape.response(events))
+        response.headers.update(shape.headers())
+        return response
 
 
 def create_app(model, scheduler, *, model_name: str | None = None,
-               chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> Flask:
-    """The OpenAI-compatible app over a started Scheduler of `model`."""
+               served_names: tuple[str, ...] = (),
+               chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, reasoning_format: str = "auto",
+               max_output_tokens: int | None = None, stops: tuple[str, ...] = (),
+               access: Access | None = None) -> Flask:
+    """The app over a started Scheduler of `model`: OpenAI's chat and completions, the
+    Responses API, Anthropic's Messages API, tokenize/detokenize, health and metrics.
+    `served_names`: the model names requests may give (the first is reported; default the
+    checkpoint id, or `model_name`)."""
+    from kipp.http import messages, responses
+
     app = Flask("kipp")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    served = model_name or model.entry.id
-    metrics = Metrics(scheduler)
-    _error_handlers(app, metrics)
-    _info_routes(app, model, scheduler, metrics, served)
-    _generation_routes(app, model, scheduler, metrics, served, chat_max_tokens)
+    names = tuple(served_names) or (model_name or model.entry.id,)
+    server = Server(model, scheduler, names, chat_max_tokens, reasoning_format,
+                    max_output_tokens, tuple(stops))
+    access = access or Access()
+    _error_handlers(app, server.metrics)
+    _access(app, access)
+    _info_routes(app, server)
+    _generation_routes(app, server)
+    _token_routes(app, server)
+    responses.register(app, server)
+    messages.register(app, server)
     return app
 
 
+def error_response(e: APIError, path: str | None = None) -> Response:
+    """An APIError as a JSON response in the shape of the API `path` belongs to."""
+    path = request.path if path is None else path
+    response = json_response(error_shape(path).body(e), e.status)
+    for key, value in e.headers.items():
+        response.headers[key] = value
+    return response
+
+
+def json_response(payload, status: int = 200) -> Response:
+    return Response(json.dumps(payload), status=status, content_type="application/json")
+
+
 def _error_handlers(app: Flask, metrics: Metrics) -> None:
-    """Every error in OpenAI's error shape, and each response counted by route and status."""
+    """Every error in its API's shape, and each response counted by route and status."""
 
     @app.errorhandler(APIError)
     def api_error(e: APIError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):
@@ -69,13 +176,13 @@ def _error_handlers(app: Flask, metrics: Metrics) -> None:
         message = e.description or e.name
         if e.code == 413:
             message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
-        return _error_response(APIError(e.code or 500, message, code=kinds.get(e.code)))
+        return error_response(APIError(e.code or 500, message, code=kinds.get(e.code)))
 
     @app.errorhandler(Exception)
     def internal_error(e: Exception):
         log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}",
-                                        type="server_error"))
+        return error_response(APIError(500, f"internal error: {type(e).__name__}",
+                                       type="server_error"))
 
     @app.after_request
     def count(response):
@@ -85,92 +192,194 @@ def _error_handlers(app: Flask, metrics: Metrics) -> None:
         return response
 
 
-def _info_routes(app: Flask, model, scheduler, metrics: Metrics, served: str) -> None:
+def _access(app: Flask, access: Access) -> None:
+    """The API key check (constant-time) and CORS, before any handler runs."""
+    key = access.api_key.encode() if access.api_key else None
+
+    @app.before_request
+    def check_key():
+        if request.method == "OPTIONS" and access.cors_origins:
+            return _preflight(access)
+        if key is None or (request.path in OPEN_PATHS and not access.protect_info):
+            return None
+        given = _given_key()
+        if given is None:
+            return error_response(APIError(401, "an API key is required: send it as "
+                                                "'Authorization: Bearer KEY' or 'x-api-key'",
+                                           code="missing_api_key",
+                                           type="authentication_error"))
+        if not hmac.compare_digest(given.encode(), key):
+            return error_response(APIError(401, "the API key is not valid",
+                                           code="invalid_api_key",
+                                           type="authentication_error"))
+        return None
+
+    @app.after_request
+    def cors(response):
+        origin = _allowed_origin(access)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+        return response
+
+
+def _given_key() -> str | None:
+    header = request.headers.get("Authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def _allowed_origin(access: Access) -> str | None:
+    origin = request.headers.get("Origin")
+    if origin is None or not access.cors_origins:
+        return None
+    if "*" in access.cors_origins:
+        return "*"
+    return origin if origin in access.cors_origins else None
+
+
+def _preflight(access: Access) -> Response:
+    response = Response(status=204)
+    if _allowed_origin(access) is not None:
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+        response.headers["Access-Control-Allow-Headers"] = (
+            request.headers.get("Access-Control-Request-Headers")
+            or "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta")
+        response.headers["Access-Control-Max-Age"] = "600"
+    return response
+
+
+def _info_routes(app: Flask, server: Server) -> None:
     """/health, /metrics and /v1/models."""
     created = int(time.time())
+    model, scheduler = server.model, server.scheduler
 
     @app.get("/health")
     def health():
         if not scheduler.alive:
-            return _error_response(APIError(503, "the engine thread is not running",
-                                            type="server_error"))
+            return error_response(APIError(503, "the engine thread is not running",
+                                           type="server_error"))
         if scheduler.draining:
-            return _error_response(APIError(503, SHUTDOWN_MESSAGE, code="shutting_down",
-                                            type="server_error"))
+            return error_response(APIError(503, SHUTDOWN_MESSAGE, code="shutting_down",
+                                           type="server_error"))
         # which backend path runs, and which kernels fell back to their twins (kipp.probe)
-        return {"status": "ok", "model": served, "backend": model.backend.describe(),
+        return {"status": "ok", "model": server.name, "served": list(server.served),
+                "backend": model.backend.describe(),
                 "kernels": model.backend.kernel_report().to_json()}
 
     @app.get("/metrics")
     def prometheus():
-        body, content_type = metrics.render()
+        body, content_type = server.metrics.render()
         return Response(body, content_type=content_type)
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [_model_card(model, served, created)]}
+        return {"object": "list",
+                "data": [_model_card(model, name, created) for name in server.served]}
 
     @app.get("/v1/models/<path:name>")
     def one_model(name: str):
-        if name != served:
-            raise APIError(404, f"model '{name}' is not served here", "model",
-                           "model_not_found")
-        return _model_card(model, served, created)
+        if name not in server.served:
+            names = ", ".join(f"'{n}'" for n in server.served)
+            raise APIError(404, f"model '{name}' is not served here; this server serves "
+                                f"{names}", "model", "model_not_found")
+        return _model_card(model, name, created)
 
 
-def _generation_routes(app: Flask, model, scheduler, metrics: Metrics, served: str,
-                       chat_max_tokens: int) -> None:
+def _generation_routes(app: Flask, server: Server) -> None:
     """/v1/completions and /v1/chat/completions: parse, submit, answer."""
-    tokenizer = model.tokenizer
-    token_text = TokenText(tokenizer)
-    template = _chat_template(model)
 
     @app.post("/v1/completions")
     def completions():
-        call = parse_completion(_json_body(), served, tokenizer)
-        return _answer(call, scheduler, metrics, shape_for(call, served, token_text))
+        call = parse_completion(json_body(), server.served, server.tokenizer)
+        return server.answer(call, shape_for(call, server.name, server.token_text),
+                             "completions")
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        body = _json_body()
-        if isinstance(template, APIError):
-            raise template
-
-        def default_max_tokens(prompt_tokens: int, n: int) -> int:
-            return scheduler.default_max_tokens(prompt_tokens, n, chat_max_tokens)
-
-        call = parse_chat(body, served, tokenizer, model.entry.has_chat_template,
-                          model.entry.context_length, default_max_tokens, template=template)
-        return _answer(call, scheduler, metrics, shape_for(call, served, token_text))
+        call = parse_chat(json_body(), server.chat_context())
+        return server.answer(call, shape_for(call, server.name, server.token_text), "chat")
 
 
-def _answer(call: Call, scheduler, metrics: Metrics, shape: Shape):
-    """Submit the call and answer: an SSE stream, or the whole response once it is done."""
-    ticket = _submit(scheduler, call)
-    gone = request.environ.get("waitress.client_disconnected")
-    if call.stream:
-        return Response(_sse(ticket, shape, metrics, scheduler, gone),
-                        content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _token_routes(app: Flask, server: Server) -> None:
+    """POST /tokenize and /detokenize (llama.cpp's and vLLM's shapes), for agents that count
+    or trim their context: text or chat messages to ids, ids to text."""
+    from kipp.http.fields import bad, boolean, check_fields, check_model, is_int
+
+    @app.post("/tokenize")
+    def tokenize():
+        body = json_body()
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        check_fields(body, {"model", "content", "prompt", "messages", "add_generation_prompt",
+                            "chat_template_kwargs", "tools", "with_pieces"}, "/tokenize")
+        if body.get("model") is not None:
+            check_model(body, server.served)
+        text = _tokenize_text(server, body)
+        ids = server.tokenizer.encode(text)
+        out = {"tokens": ids, "count": len(ids), "max_model_len":
+               server.model.entry.context_length}
+        if boolean(body, "with_pieces", False):
+            out["pieces"] = [server.token_text.text(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    def detokenize():
+        body = json_body()
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        check_fields(body, {"model", "tokens"}, "/detokenize")
+        if body.get("model") is not None:
+            check_model(body, server.served)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+            raise bad("'tokens' must be a list of token ids", "tokens")
+        vocab = server.tokenizer.vocab_size
+        for t in tokens:
+            if not 0 <= t < vocab:
+                raise bad(f"'tokens' holds {t}, outside the vocabulary 0..{vocab - 1}",
+                          "tokens")
+        return {"content": server.tokenizer.decode(tokens), "prompt":
+                server.tokenizer.decode(tokens)}
+
+
+def _tokenize_text(server: Server, body: dict) -> str:
+    """The text /tokenize encodes: `content` or `prompt` as given, or `messages` rendered with
+    the chat template (with the generation prompt unless add_generation_prompt is false)."""
+    from kipp.http.fields import bad, boolean
+    from kipp.text.chat import ChatError, render
+
+    given = [k for k in ("content", "prompt", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise bad("give exactly one of 'content', 'prompt' and 'messages'",
+                  given[1] if len(given) > 1 else "content")
+    if given[0] != "messages":
+        text = body[given[0]]
+        if not isinstance(text, str):
+            raise bad(f"'{given[0]}' must be a string", given[0])
+        return text
+    if isinstance(server.template, APIError):
+        raise server.template
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+        raise bad("'chat_template_kwargs' may hold only enable_thinking", "chat_template_kwargs")
     try:
-        events = list(_events(ticket, scheduler, gone))
-    finally:
-        if not ticket.ended:
-            ticket.cancel()
-    last = events[-1]
-    if isinstance(last, Failed):
-        raise _failure(last)
-    metrics.observe(ticket)
-    return shape.response(events)
+        return render(body["messages"], boolean(body, "add_generation_prompt", True),
+                      boolean(kwargs, "enable_thinking", True), tools=body.get("tools"),
+                      template=server.template)
+    except ChatError as e:
+        raise bad(f"'messages': {e}", "messages") from None
 
 
-def _chat_template(model):
-    """The model's chat template name, an APIError to answer chat requests with when Kipp
-    cannot render its template, or "qwen3" for base checkpoints (parse_chat refuses them)."""
+def _chat_template(model, name: str):
+    """The model's chat template name, or the APIError chat requests get: a base checkpoint
+    has no template, and one Kipp cannot render is refused (kipp.http.schema.chat_request)."""
     from kipp.text.chat import ChatError
 
     if not model.entry.has_chat_template:
-        return "qwen3"
+        return APIError(400, f"'{name}' is a base checkpoint: it has no chat template; use "
+                             f"/v1/completions", "model", "no_chat_template")
     try:
         return model.chat_template
     except ChatError as e:
@@ -220,20 +429,23 @@ def _events(ticket: Ticket, scheduler, gone=None):
             return
 
 
-def _sse(ticket: Ticket, shape: Shape, metrics: Metrics, scheduler, gone=None):
-    """Server-sent events; closing this generator early (client gone) cancels the request."""
+def _sse(ticket: Ticket, shape: Shape, server: Server, endpoint: str, gone=None):
+    """Server-sent events in the shape's framing; closing this generator early (client gone)
+    cancels the request."""
     try:
-        for chunk in shape.first_chunks():
-            yield _data(chunk)
-        for event in _events(ticket, scheduler, gone):
+        for payload in shape.first_chunks():
+            yield shape.frame(payload)
+        for event in _events(ticket, server.scheduler, gone):
             if isinstance(event, Failed):
-                yield _data(_failure(event).body())
-                break
+                for frame in shape.error_frames(_failure(event)):
+                    yield frame
+                return
             if isinstance(event, Done):
-                metrics.observe(ticket)
-            for chunk in shape.chunks(event):
-                yield _data(chunk)
-        yield "data: [DONE]\n\n"
+                server.metrics.observe(ticket, endpoint)
+            for payload in shape.chunks(event):
+                yield shape.frame(payload)
+        for frame in shape.closing_frames():
+            yield frame
     finally:
         if not ticket.ended:
             ticket.cancel()
@@ -248,53 +460,6 @@ def _failure(event: Failed) -> APIError:
         return APIError(503, f"the request was ended: {event.message}", code="shutting_down",
                         type="server_error")
     return APIError(500, f"the request failed: {event.message}", type="server_error")
-
-
-def _data(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _json_body():
-    raw = request.get_data(cache=False)
-    if not raw:
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}",
-                       code="invalid_json") from None
-    except RecursionError:  # the parser recursed past Python's limit: nested far too deep
-        raise _too_deep() from None
-    if _depth_exceeds(body, MAX_JSON_DEPTH):
-        raise _too_deep()
-    return body
-
-
-def _too_deep() -> APIError:
-    return APIError(400, f"the request body nests arrays and objects more than "
-                         f"{MAX_JSON_DEPTH} deep", code="invalid_json")
-
-
-def _depth_exceeds(value, limit: int) -> bool:
-    """Whether arrays and objects nest deeper than `limit` (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(
-            item, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-def _error_response(e: APIError) -> Response:
-    response = Response(json.dumps(e.body()), status=e.status, content_type="application/json")
-    for key, value in e.headers.items():
-        response.headers[key] = value
-    return response
 
 
 def _model_card(model, served: str, created: int) -> dict:

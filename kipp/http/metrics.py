@@ -74,21 +74,22 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(scheduler))
         self.latency = Histogram("kipp_request_latency_seconds",
-                                 "Submit to last token, per finished request",
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                 "Submit to last token, per finished request, by endpoint",
+                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("kipp_time_to_first_token_seconds",
-                              "Submit to the first streamed text, per request",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+                              "Submit to the first streamed text, per request, by endpoint",
+                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.responses = Counter("kipp_http_responses", "HTTP responses by path and status",
                                  ["path", "status"], registry=self.registry)
 
-    def observe(self, ticket) -> None:
-        """Record a finished Ticket, or every ticket of a TicketGroup."""
+    def observe(self, ticket, endpoint: str) -> None:
+        """Record a finished Ticket, or every ticket of a TicketGroup, under its endpoint
+        ("completions", "chat", "responses", "messages")."""
         for t in getattr(ticket, "tickets", [ticket]):
             if t.ended_at is not None:
-                self.latency.observe(t.ended_at - t.submitted_at)
+                self.latency.labels(endpoint).observe(t.ended_at - t.submitted_at)
             if t.first_token_at is not None:
-                self.ttft.observe(t.first_token_at - t.submitted_at)
+                self.ttft.labels(endpoint).observe(t.first_token_at - t.submitted_at)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

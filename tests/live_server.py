@@ -1,0 +1,76 @@
+"""A live `kipp serve` for tests: a subprocess on 127.0.0.1, driven over raw HTTP or clients."""
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+class LiveServer:
+    """`kipp serve ARTIFACT --backend reference --port 0 ARGS...` in a subprocess, ready once it
+    prints the port and /health answers; raw HTTP helpers and an `openai` client."""
+
+    def __init__(self, artifact, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kipp.cli", "serve", str(artifact), "--backend", "reference",
+             "--port", "0", *args], stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        self.log = []
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("kipp serve exited:\n" + "".join(self.log))
+            self.log.append(line)
+            found = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line)
+            if found:
+                self.port = int(found.group(1))
+                break
+        else:
+            raise RuntimeError("kipp serve did not start:\n" + "".join(self.log))
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain the log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {}  # sent with every raw request (an API key, say)
+        assert self.get("/health")[0] == 200
+
+    def request(self, method, path, body=None, raw: bytes | None = None, headers=None):
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              **self.headers, **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as response:
+                return response.status, response.read().decode(), dict(response.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(), dict(e.headers)
+
+    def get(self, path):
+        return self.request("GET", path)
+
+    def post(self, path, body=None, **kwargs):
+        return self.request("POST", path, body, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        _, text, _ = self.get("/metrics")
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=120)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
