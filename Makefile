@@ -17,7 +17,7 @@ JAX_TESTS ?= tests/test_jax_kernels.py tests/test_jax_backend.py tests/test_jax_
 	tests/test_cuda_compile.py tests/test_cpu_matmul.py tests/test_cpu_attention.py \
 	tests/test_weight_memory.py
 
-.PHONY: run test test-slow test-jax-next metal-tools
+.PHONY: run test test-slow test-jax-next metal-tools agent-clients
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,3 +63,23 @@ $(VENV_NEXT)/.jax-tests: pyproject.toml
 
 test-jax-next: $(VENV_NEXT)/.jax-tests
 	$(VENV_NEXT)/bin/pytest $(JAX_TESTS)
+
+# The agent CLIs that tests/agent_clients.py drives against a loopback `kipp serve`: npm
+# packages at pinned versions under $(AGENTS) (git-ignored, no package.json), once per version
+# pair. Claude Code's postinstall puts its native binary in place (its node>=22 engine warning
+# is harmless: that binary needs no Node); Codex's launcher runs on Node 20. The version check
+# runs in a throwaway home (any codex command writes $CODEX_HOME/tmp).
+AGENTS ?= .agents
+CODEX_VERSION ?= 0.169.0
+CLAUDE_CODE_VERSION ?= 2.1.332
+AGENTS_STAMP = $(AGENTS)/.codex-$(CODEX_VERSION)-claude-code-$(CLAUDE_CODE_VERSION)
+
+$(AGENTS_STAMP):
+	@command -v npm >/dev/null 2>&1 || { echo "make: agent-clients needs npm (Node 20+)" >&2; exit 1; }
+	npm install --prefix $(AGENTS) --no-save --no-package-lock --no-audit --no-fund \
+		@openai/codex@$(CODEX_VERSION) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
+	@home=$$(mktemp -d) && trap 'rm -rf "$$home"' EXIT && export HOME=$$home CODEX_HOME=$$home && \
+	  $(AGENTS)/node_modules/.bin/codex --version && $(AGENTS)/node_modules/.bin/claude --version
+	touch $@
+
+agent-clients: $(AGENTS_STAMP)
