@@ -36,7 +36,9 @@ OPEN, CLOSE = 151667, 151668  # <think>, </think> in Qwen3's vocabulary
 
 @pytest.fixture(scope="module")
 def thinking(artifacts):
-    return load(artifacts(THINKING), backend="reference", progress=False)
+    # JAX on the CPU decodes the tiny model several times faster than the numpy reference;
+    # every comparison here is between two requests on the same backend.
+    return load(artifacts(THINKING), backend="jax", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +65,9 @@ def block_tokens(tokens: list[int], opened: bool) -> int:
 
 # -- the split equals the inline text cut at the block -------------------------------------------
 
-@pytest.mark.parametrize("budget", [None, 7, 120])
+@pytest.mark.parametrize("budget", [None, 7, 60])
 def test_thinking_template_split_equals_the_inline_text(thinking, budget):
-    kwargs = dict(max_tokens=160, temperature=0, max_reasoning_tokens=budget)
+    kwargs = dict(max_tokens=90, temperature=0, max_reasoning_tokens=budget)
     reply = thinking.chat(HI, **kwargs)
     inline = thinking.chat(HI, reasoning_format="none", **kwargs)
     assert inline.reasoning is None
@@ -176,7 +178,7 @@ def test_a_constrained_reply_does_not_think(thinking):
 
 # -- the budget ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("budget", [1, 2, 23, 91, 92, 200])
+@pytest.mark.parametrize("budget", [1, 2, 23, 91, 92])
 def test_the_budget_is_never_exceeded_and_closes_the_block(thinking, budget):
     generation = thinking.chat(HI, max_tokens=budget + 20, temperature=0,
                                max_reasoning_tokens=budget, stream=True)
