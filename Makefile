@@ -40,8 +40,9 @@ run: $(VENV)/.base
 test: $(VENV)/.dev metal-tools
 	$(VENV)/bin/pytest
 
-test-slow: $(VENV)/.dev metal-tools
-	$(VENV)/bin/pytest -m slow
+# The slow set includes the agent CLIs' turns (tests/test_agent_clients.py), so it installs them.
+test-slow: $(VENV)/.dev metal-tools agent-clients
+	KIPP_REQUIRE_AGENTS=1 $(VENV)/bin/pytest -m slow
 
 # The Metal emulator (tools/metal_emulator) compiles Kipp's kernels with g++ and checks Metal's
 # address spaces with clang-19: Debian packages, installed here when missing (CI runs as root
