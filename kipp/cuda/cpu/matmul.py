@@ -8,9 +8,10 @@ panels [N/8, K, 8], one 8-float vector per k, streamed front to back; the embedd
 tied head's panels (`rows`). The kernel (matmul.cc, an XLA FFI handler) is compiled at first use
 with the system's C++ compiler against the JAX headers for this CPU (-march=native), into
 $KIPP_HOME/build keyed by source, compiler, JAX and CPU, in one library with Kipp's CPU decode
-attention (attention.cc). Each output is one FMA chain over k: a row's result is bitwise the
-same alone or batched. `available()` says why when it cannot be built (the backend then keeps
-XLA's dot); KIPP_JAX_CPU_MATMUL=0 turns it off. Twin: `matmul_reference`.
+attention (attention.cc) and stored-format matmul (stored_matmul.cc). Each output is one FMA
+chain over k: a row's result is bitwise the same alone or batched. `available()` says why when
+it cannot be built (the backend then keeps XLA's dot); KIPP_JAX_CPU_MATMUL=0 turns it off.
+Twin: `matmul_reference`.
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ log = logging.getLogger("kipp.cuda")
 PANEL = 8  # output columns per panel (one 8-float vector)
 TARGET = "kipp_cpu_matmul_f32"
 HERE = Path(__file__).parent
-SOURCES = (HERE / "matmul.cc", HERE / "attention.cc")  # one library: Kipp's CPU kernels
+SOURCES = (HERE / "matmul.cc", HERE / "attention.cc", HERE / "stored_matmul.cc")  # one library
 HEADERS = (HERE / "kernels.h",)
 # FFI target -> the handler symbol the library exports
-TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention"}
+TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention",
+           "kipp_cpu_stored_matmul_bf16": "KippCpuStoredMatmulBf16",
+           "kipp_cpu_stored_matmul_q8_0": "KippCpuStoredMatmulQ8_0",
+           "kipp_cpu_stored_matmul_scale4_gs32": "KippCpuStoredMatmulScale4",
+           "kipp_cpu_stored_matmul_affine4_gs32": "KippCpuStoredMatmulAffine4"}
 ENV = "KIPP_JAX_CPU_MATMUL"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
 COMPILERS = ("c++", "g++", "clang++")

@@ -1,0 +1,55 @@
+"""y = x @ W^T on XLA's CPU straight from the artifact's stored bytes: BF16, q8_0, scale4_gs32
+(Q4_0) and affine4_gs32 (Q4_1), in the "device" layout (kipp.cuda.layout), never a float32 copy.
+
+Why: a CPU decode step is bound by the bytes it streams; the float32 panels (kipp.cuda.cpu.
+matmul) stream 4 bytes a weight whatever the artifact holds, and XLA's own dots over the stored
+planes run far slower. The kernel (stored_matmul.cc, built into the library kipp.cuda.cpu.matmul
+compiles for this CPU with -march=native: AVX-512 where the CPU has it, AVX2 + FMA otherwise,
+plain vectors elsewhere) decodes 16 weight rows at a time into a float32 scratch, exactly as
+kipp.formats.quant.dequantize does, and multiplies every row of x against them: each stored
+byte is read once per call, however many rows. The activation stays float32, so the only error
+against the float64 oracle is float32 summation (tests/test_cpu_stored_matmul.py), and a row's
+result is bitwise the same alone or batched. `available()` says why when it cannot be built;
+KIPP_JAX_CPU_STORED=0 turns it off. Twin: kipp.cuda.pallas.quant_matmul.quant_matmul_reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kipp.cuda.cpu import matmul as cpu_matmul
+from kipp.cuda.layout import Linear
+
+ENV = "KIPP_JAX_CPU_STORED"
+FORMATS = ("bf16", "q8_0", "scale4_gs32", "affine4_gs32")
+
+
+def available() -> tuple[bool, str]:
+    """(True, how it was built) once the kernel is registered with XLA, else (False, why)."""
+    return cpu_matmul.library(ENV)
+
+
+def matmul(x: jax.Array, w: Linear, layer=None) -> jax.Array:
+    """x [M, K] float32 @ W^T -> [M, N] float32, W a "device"-layout Linear of one of FORMATS
+    (BF16 as uint16 bits or bfloat16), or its planes stacked over layers `[L, ...]` and read at
+    `layer` (the kernel indexes the stack: no copy)."""
+    if w.fmt not in FORMATS:
+        raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
+    ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
+    if not ok:
+        raise RuntimeError(f"Kipp's stored CPU matmul is unavailable: {why}")
+    planes = [a for a in (w.w, w.d, w.m) if a is not None]
+    if layer is None:
+        planes, layer = [a[None] for a in planes], 0
+    planes = [_bits(a) for a in planes]
+    out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{w.fmt}", out)(
+        x.astype(jnp.float32), *planes, jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+def _bits(a: jax.Array) -> jax.Array:
+    """16-bit floats (BF16 weights, fp16 scales) as their uint16 bits: what the kernel reads."""
+    if a.dtype in (jnp.bfloat16, jnp.float16):
+        return jax.lax.bitcast_convert_type(a, jnp.uint16)
+    return a

@@ -1,0 +1,139 @@
+"""Kipp's CPU matmul over the stored weights (kipp/cuda/cpu/stored_matmul.*), every scheme:
+kernel vs kipp.formats.quant.dequantize in float64 and vs its jax.numpy twin, rows bitwise the
+same alone or batched (the twin: twin_matmul.linear, BF16 bits widened), a stacked weight read
+at its layer, and bad input.
+
+Bound: the weights are decoded exactly and the activation stays float32, so the only error is
+float32 summation; against float64 it is measured relative to the row's magnitude
+sum_k |x_k| |w_nk|: max 6.5e-8 (K 32 .. 4,096, every scheme, tile and row count); the twin (XLA's
+float32 dot) 1.8e-7. The gate is BOUND = 4e-7. An off-by-one block index or a wrong block
+scale moves outputs by ~1e-1 of that magnitude: `test_the_gate_sees_a_shifted_block_or_a_wrong_
+scale` checks the gate catches both (and both, planted in the kernel, failed it).
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kipp.cuda import twin_matmul  # noqa: E402
+from kipp.cuda.cpu import stored_matmul  # noqa: E402
+from kipp.cuda.layout import Linear  # noqa: E402
+from kipp.formats import quant  # noqa: E402
+
+BOUND = 4e-7
+SCHEMES = stored_matmul.FORMATS
+
+needs_kernel = pytest.mark.skipif(not stored_matmul.available()[0],
+                                  reason=f"Kipp's stored CPU matmul: "
+                                         f"{stored_matmul.available()[1]}")
+
+
+def _planes(raw: np.ndarray, scheme: str, cols: int) -> Linear:
+    """The "device" layout's planes of quantized rows `raw` (quant.py's block layout)."""
+    n = len(raw)
+    if scheme == "bf16":
+        return Linear(np.ascontiguousarray(raw).view("<u2"), fmt="bf16")
+    s = quant.scheme(scheme)
+    blocks = raw.reshape(n, cols // quant.BLOCK, s.block_bytes)
+
+    def fp16(offset):
+        return np.ascontiguousarray(blocks[..., offset:offset + 2]).view("<f2")[..., 0]
+
+    if scheme == "q8_0":
+        return Linear(np.ascontiguousarray(blocks[..., 2:]).view(np.int8), fp16(0), fmt=scheme)
+    m = fp16(2) if scheme == "affine4_gs32" else None
+    return Linear(np.ascontiguousarray(blocks[..., s.block_bytes - 16:]), fp16(0), m,
+                  fmt=scheme)
+
+
+def _case(seed, scheme, m, n, k):
+    """(x [m, k], Linear, the exact weights as float64 [n, k]) from normal random values."""
+    rng = np.random.default_rng(seed)
+    raw = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), scheme)
+    dense = quant.dequantize(raw, scheme, k).astype(np.float64)
+    return rng.standard_normal((m, k)).astype(np.float32), _planes(raw, scheme, k), dense
+
+
+def _err(got, x, dense):
+    """max |got - x @ W^T| over the outputs' magnitude sum_k |x_k| |w_nk|, in float64."""
+    x = x.astype(np.float64)
+    scale = np.abs(x) @ np.abs(dense).T
+    return float(np.max(np.abs(np.asarray(got, np.float64) - x @ dense.T) / scale))
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 37, 64), (2, 16, 96), (3, 21, 128),
+                                   (4, 64, 256), (5, 19, 64), (8, 200, 512), (9, 33, 96),
+                                   (17, 70, 160), (64, 48, 1024), (1, 256, 4096)])
+def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
+    """Row counts on every tile (1..8 rows decoded into registers, more through the scratch),
+    W row counts leaving partial tiles and units, one to 128 blocks a row."""
+    x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
+    got = jax.jit(stored_matmul.matmul)(x, w)
+    twin = jax.jit(twin_matmul.linear)(x, jax.tree.map(jnp.asarray, w))  # what XLA runs
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    assert _err(got, x, dense) <= BOUND
+    assert _err(twin, x, dense) <= BOUND
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_row_is_bitwise_the_same_alone_or_batched(scheme):
+    """Every row count a round makes (registers up to 8 rows, the scratch past them): the same
+    FMA chains and lane tree, so the same bits."""
+    x, w, _ = _case(11, scheme, 20, 52, 192)
+    call = jax.jit(stored_matmul.matmul)
+    alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20):
+        batched = np.asarray(call(x[:m], w))
+        assert np.array_equal(batched.view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_stacked_weight_is_read_at_its_layer(scheme):
+    """The scanned step passes each plane stacked over layers and a traced layer index."""
+    cases = [_case(20 + i, scheme, 3, 24, 64) for i in range(3)]
+    x = cases[0][0]
+    stack = jax.tree.map(lambda *a: np.stack(a), *[w for _, w, _ in cases])
+    stacked = jax.jit(lambda i: stored_matmul.matmul(x, stack, i))
+    for i, (_, w, _) in enumerate(cases):
+        assert np.array_equal(np.asarray(stacked(jnp.int32(i))),
+                              np.asarray(jax.jit(stored_matmul.matmul)(x, w))), i
+    with pytest.raises(Exception, match="kipp_cpu_stored_matmul: layer out of range"):
+        jax.block_until_ready(stacked(jnp.int32(3)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ("q8_0", "scale4_gs32", "affine4_gs32"))
+def test_the_gate_sees_a_shifted_block_or_a_wrong_scale(scheme):
+    """The bound is tight enough for the faults it is for: the kernel's output against an oracle
+    whose weights read each row's next block (an off-by-one block index), or whose first block
+    scale is doubled, fails the gate."""
+    x, w, dense = _case(5, scheme, 2, 40, 128)
+    got = jax.jit(stored_matmul.matmul)(x, w)
+    assert _err(got, x, dense) <= BOUND
+    blocks = dense.reshape(len(dense), -1, quant.BLOCK)
+    shifted = np.roll(blocks, -1, axis=1).reshape(dense.shape)
+    scaled = dense.copy()
+    scaled[:, :quant.BLOCK] *= 2
+    assert _err(got, x, shifted) > 100 * BOUND
+    assert _err(got, x, scaled) > 100 * BOUND
+
+
+@needs_kernel
+def test_bad_input_is_an_error_naming_the_kernel():
+    x, w, _ = _case(3, "bf16", 2, 8, 64)
+    with pytest.raises(ValueError, match="reads bf16, q8_0"):
+        stored_matmul.matmul(x, Linear(np.zeros((8, 64), np.float32), fmt="f32"))
+    odd = Linear(np.asarray(w.w)[:, :48], fmt="bf16")  # K not a multiple of 32
+    with pytest.raises(Exception, match="K a multiple of 32"):
+        jax.block_until_ready(jax.jit(stored_matmul.matmul)(x[:, :48], odd))
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(stored_matmul.ENV, "0")
+    assert stored_matmul.available() == (False, f"{stored_matmul.ENV}=0 turns it off")
