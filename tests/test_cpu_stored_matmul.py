@@ -11,6 +11,8 @@ scale moves outputs by ~1e-1 of that magnitude: `test_the_gate_sees_a_shifted_bl
 scale` checks the gate catches both (and both, planted in the kernel, failed it).
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -137,3 +139,32 @@ def test_bad_input_is_an_error_naming_the_kernel():
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(stored_matmul.ENV, "0")
     assert stored_matmul.available() == (False, f"{stored_matmul.ENV}=0 turns it off")
+
+
+@pytest.mark.slow  # ~25 s a scheme; test_jax_backend's packed-layout gates cover it by default
+@needs_kernel
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_jax_backend_runs_every_scheme_through_it(artifacts, monkeypatch, scheme):
+    """weight_memory="stored" on one CPU: the projections and the head run on the kernel, the
+    weights take the artifact's bytes, and the logits pass the reference gate (NMSE 1e-4 and
+    argmax, prefill and decode across a block boundary) and match XLA's own dots over the same
+    planes (the switch off) within it."""
+    from kipp import gates
+    from kipp.cuda.backend import JaxBackend
+    from kipp.formats.artifact import open_artifact
+    from kipp.reference.backend import ReferenceBackend
+
+    path = artifacts("kipp-synthetic/qwen3-tiny-untied", scheme)
+    artifact = open_artifact(path)
+    on = JaxBackend(artifact, 12, weight_memory="stored")
+    assert on.plan.cpu_stored and "Kipp CPU stored matmul" in on.describe()
+    assert on.weight_bytes <= os.path.getsize(path)  # the artifact's bytes, no float32 copy
+    monkeypatch.setenv(stored_matmul.ENV, "0")
+    off = JaxBackend(artifact, 12, weight_memory="stored")
+    assert not off.plan.cpu_stored and "stored CPU matmul is unavailable" in off.plan.warnings[-1]
+    table = np.random.default_rng(0).permutation(12)[:3]
+    tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
+    for backend, want in ((on, ReferenceBackend(artifact, 12)), (on, off)):
+        result = gates.gate_backends(want, backend, tokens, table, logits_rows=30,
+                                     decode_steps=4, bound=1e-4)
+        assert result.passed, result.detail

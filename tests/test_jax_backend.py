@@ -245,10 +245,10 @@ def test_platform_plan_without_a_device():
 
     built, missing = (True, "built"), (False, "no C++ compiler")
     stored, wide = WeightMemory("stored", "test"), WeightMemory("float32", "test")
-    cpu = Facts("cpu", cpu_matmul=built, cpu_attention=built)
+    cpu = Facts("cpu", cpu_matmul=built, cpu_attention=built, cpu_stored=built)
     p = make_plan(cpu, scheme="q8_0", weight_memory=stored)
-    assert (p.layout, p.bits, p.stacked, p.cpu_attention, p.lean_compile, p.cpu_steps) == (
-        "device", True, True, True, True, True)
+    assert (p.layout, p.bits, p.stacked, p.cpu_attention, p.lean_compile, p.cpu_steps,
+            p.cpu_stored) == ("device", True, True, True, True, True, True)
     assert not p.choice.kernels and not p.first_step and p.probe_formats == () and not p.warnings
     p = make_plan(cpu, scheme="bf16", weight_memory=wide, kv_scheme="q8_0")
     assert (p.layout, p.bits, p.stacked, p.cpu_attention, p.lean_compile) == (
@@ -257,6 +257,8 @@ def test_platform_plan_without_a_device():
     p = make_plan(bare, scheme="bf16", weight_memory=wide)
     assert (p.layout, p.stacked, p.cpu_attention) == ("f32", False, False)
     assert len(p.warnings) == 2 and all("no C++ compiler" in w for w in p.warnings)
+    p = make_plan(Facts("cpu", cpu_stored=missing), scheme="q8_0", weight_memory=stored)
+    assert not p.cpu_stored and "stored CPU matmul is unavailable (no C++" in p.warnings[-1]
     with pytest.raises(KippError, match="panels .* one CPU device \\(no C\\+\\+ compiler"):
         make_plan(bare, scheme="bf16", weight_layout="panels")
     mesh = Facts("cpu", sharded=True)

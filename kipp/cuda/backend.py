@@ -135,6 +135,8 @@ class JaxBackend(Backend):
         kernels = f"; {self.kernels.summary()}" if self.choice.kernels else ""
         weights = ("f32 panel weights, Kipp CPU matmul" if self.layout == "panels"
                    else f"{self.layout} weights")
+        if self.plan.cpu_stored:
+            weights += ", Kipp CPU stored matmul"
         if self.cpu_attention:
             weights += ", Kipp CPU decode attention"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
@@ -256,7 +258,7 @@ class JaxBackend(Backend):
         kernels = self.choice.kernels and bool(self.kernels.running)
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back),
-                           cpu_attention=self.cpu_attention)
+                           cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored)
 
 
 @functools.lru_cache(maxsize=None)

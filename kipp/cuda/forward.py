@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from kipp.cuda import twin_matmul
 from kipp.cuda.cpu import attention as cpu_attention
 from kipp.cuda.cpu import matmul as cpu_matmul
+from kipp.cuda.cpu import stored_matmul as cpu_stored
 from kipp.cuda.kvcache import QuantizedKV, store_kv
 from kipp.cuda.layout import Linear, widen_bf16
 from kipp.cuda.pallas import decode_attention as decode_mod
@@ -40,18 +41,27 @@ class Ops:
     interpret: bool = False  # run the kernels in Pallas interpret mode (CPU tests)
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
     cpu_attention: bool = False  # twins' decode attention on Kipp's CPU kernel (one CPU device)
+    cpu_stored: bool = False  # twins' stored-format projections on Kipp's CPU matmul (one CPU)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False, layer=None) -> jax.Array:
-        """x @ w^T; `layer`: w is a stacked f32p weight, read at that layer (the scanned step;
-        every other format arrives already sliced to its layer)."""
+        """x @ w^T; `layer`: w is stacked over layers and read at that layer by Kipp's CPU
+        kernels (the scanned step, `reads_stacked`); every other weight arrives sliced."""
         if w.fmt == "f32p":  # the CPU layout: only Kipp's CPU matmul reads panels
             return cpu_matmul.matmul(x, w.w, layer)
+        if self.cpu_stored and w.fmt in cpu_stored.FORMATS:  # the stored planes, on a CPU
+            return cpu_stored.matmul(x, w, layer)
         # Interpret mode pays per program: the 151,936-row head would take minutes, so there
         # it runs its twin (the BF16 kernel is checked on its own in the kernel tests).
         if self.kernels and not (head and self.interpret) and \
                 kernel_name(x.shape[0], w.fmt) not in self.twins:
             return matmul_mod.quant_matmul(x, w, interpret=self.interpret)
         return twin_matmul.linear(x, w)  # quant_matmul_reference, widening chunk by chunk
+
+    def reads_stacked(self, w) -> bool:
+        """Whether `linear` takes weight `w` stacked over layers, with the layer index (Kipp's
+        CPU kernels index the stack; a slice of it would be copied first)."""
+        return isinstance(w, Linear) and (
+            w.fmt == "f32p" or (self.cpu_stored and w.fmt in cpu_stored.FORMATS))
 
     def attention(self, q, k_cache, v_cache, r: RoundArrays, layer=None) -> jax.Array:
         """q [S, Tq, H, 128] -> [S, Tq, H, 128] over the paged slab (layer `layer` of a
@@ -103,9 +113,9 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
 
         def body(carry, i):
             x, k_cache, v_cache = carry
-            # Kipp's CPU matmul indexes a stacked panel weight itself; the rest is sliced
-            p = {name: w if isinstance(w, Linear) and w.fmt == "f32p" else
-                 jax.tree.map(lambda a: a[i], w) for name, w in layers.items()}
+            # Kipp's CPU matmuls index a stacked weight themselves; the rest is sliced
+            p = {name: w if ops.reads_stacked(w) else jax.tree.map(lambda a: a[i], w)
+                 for name, w in layers.items()}
             return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i), None
 
         count = jax.tree.leaves(layers)[0].shape[0]

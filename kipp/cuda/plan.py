@@ -1,6 +1,7 @@
 """JaxBackend's platform flags, derived once from the machine's facts and the request.
 
-    facts = Facts("cpu", cpu_matmul=(True, "built"), cpu_attention=(True, "built"))
+    facts = Facts("cpu", cpu_matmul=(True, "built"), cpu_attention=(True, "built"),
+                  cpu_stored=(True, "built"))
     p = make_plan(facts, scheme="bf16", weight_memory=memory.WeightMemory("float32", "auto"))
     p.layout, p.stacked, p.cpu_attention, p.lean_compile  # ('panels', True, True, False)
 
@@ -33,6 +34,7 @@ class Facts:
     twins_env: str = ""  # KIPP_JAX_TWINS
     cpu_matmul: tuple[bool, str] = NOT_ASKED  # kipp.cuda.cpu.matmul.available()
     cpu_attention: tuple[bool, str] = NOT_ASKED  # kipp.cuda.cpu.attention.available()
+    cpu_stored: tuple[bool, str] = NOT_ASKED  # kipp.cuda.cpu.stored_matmul.available()
 
     @property
     def gpu(self) -> bool:
@@ -51,10 +53,10 @@ def gather(device, mesh=None) -> Facts:
                   os.environ.get(select.TWINS_ENV, ""))
     if not facts.one_cpu:
         return facts
-    from kipp.cuda.cpu import attention, matmul
+    from kipp.cuda.cpu import attention, matmul, stored_matmul
 
     return Facts(facts.platform, facts.device_kind, False, facts.twins_env,
-                 matmul.available(), attention.available())
+                 matmul.available(), attention.available(), stored_matmul.available())
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Plan:
     first_step: bool  # one decode step runs on the kernels at load
     probe_formats: tuple[str, ...]  # quant_matmul weight formats the kernel probes cover
     warnings: tuple[str, ...] = ()  # a kernel that cannot be built, and what runs instead
+    cpu_stored: bool = False  # the twins' stored-format projections on Kipp's CPU matmul
 
 
 def explicit_layout(weight_layout: str | None) -> bool:
@@ -98,6 +101,10 @@ def make_plan(facts: Facts, *, scheme: str, path: str = "auto",
     if cpu_attention and not facts.cpu_attention[0]:
         warnings.append(f"Kipp's CPU attention is unavailable ({facts.cpu_attention[1]}); "
                         f"decode attention runs its jax.numpy twin")
+    cpu_stored = facts.one_cpu and twins and layout == "device"
+    if cpu_stored and not facts.cpu_stored[0]:
+        warnings.append(f"Kipp's stored CPU matmul is unavailable ({facts.cpu_stored[1]}); "
+                        f"stored weights run XLA's dots")
     return Plan(
         platform=facts.platform, choice=choice, memory=chosen, layout=layout,
         bits=cpu and layout == "device" and twins,
@@ -108,7 +115,8 @@ def make_plan(facts: Facts, *, scheme: str, path: str = "auto",
         cpu_attention=cpu_attention and facts.cpu_attention[0],
         lean_compile=facts.one_cpu and chosen.mode == "stored",
         cpu_steps=cpu, first_step=choice.kernels and not choice.interpret,
-        probe_formats=_probe_formats(choice, scheme, layout), warnings=tuple(warnings))
+        probe_formats=_probe_formats(choice, scheme, layout), warnings=tuple(warnings),
+        cpu_stored=cpu_stored and facts.cpu_stored[0])
 
 
 def _layout(facts: Facts, choice: select.Choice, chosen: memory.WeightMemory | None,
