@@ -190,10 +190,12 @@ def format_table(rows: list[dict]) -> str:
 
 def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers: int = 8,
             repeats: int = 5) -> str:
-    """Weights/s of the CPU's projection paths per weight layout (why kipp.cuda.plan prefers
-    float32 on a CPU): XLA's dots on float32, BF16 and packed planes, and Kipp's CPU matmul on
-    float32 panels; every layout's calls interleaved per repeat, medians."""
+    """Weights/s of the CPU's projection paths per weight layout (kipp.cuda.plan's choice):
+    XLA's dots on float32, BF16 and packed planes, Kipp's CPU matmul on float32 panels, and
+    Kipp's stored CPU matmul on the stored planes ("kipp " rows); every layout's calls
+    interleaved per repeat, medians."""
     from kipp.cuda.cpu import matmul as cpu_matmul
+    from kipp.cuda.cpu import stored_matmul
     from kipp.cuda.forward import Ops
     from kipp.cuda.layout import Linear
 
@@ -208,24 +210,34 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
         "scale4": lambda: Linear(jnp.asarray(rng.integers(0, 255, (rows, groups, 16)), jnp.uint8),
                                  jnp.asarray(rng.random((rows, groups)), jnp.float16),
                                  fmt="scale4_gs32"),
+        "affine4": lambda: Linear(jnp.asarray(rng.integers(0, 255, (rows, groups, 16)),
+                                              jnp.uint8),
+                                  jnp.asarray(rng.random((rows, groups)), jnp.float16),
+                                  jnp.asarray(rng.random((rows, groups)), jnp.float16),
+                                  fmt="affine4_gs32"),
     }
     if cpu_matmul.available()[0]:
         shapes["panels"] = lambda: Linear(jnp.asarray(cpu_matmul.pack(dense)), fmt="f32p")
+    ops = dict.fromkeys(shapes, Ops())
+    if stored_matmul.available()[0]:
+        for kind in ("bf16", "q8_0", "scale4", "affine4"):
+            shapes[f"kipp {kind}"], ops[f"kipp {kind}"] = shapes[kind], Ops(cpu_stored=True)
     weights = {kind: [make() for _ in range(layers)] for kind, make in shapes.items()}
-    fn = jax.jit(lambda x, ws: [Ops().linear(x, w) for w in ws])
+    calls = {kind: jax.jit(lambda x, ws, o=o: [o.linear(x, w) for w in ws])
+             for kind, o in ops.items()}
     times = {(kind, m): [] for kind in shapes for m in m_values}
     xs = {m: jnp.asarray(rng.standard_normal((m, cols)), jnp.float32) for m in m_values}
     for (kind, m) in times:
-        jax.block_until_ready(fn(xs[m], weights[kind]))  # compile
+        jax.block_until_ready(calls[kind](xs[m], weights[kind]))  # compile
     for _ in range(repeats):
         for (kind, m), got in times.items():
-            got += _timed(lambda: jax.block_until_ready(fn(xs[m], weights[kind])), 1)
+            got += _timed(lambda: jax.block_until_ready(calls[kind](xs[m], weights[kind])), 1)
     lines = [f"projections on {jax.devices()[0].platform}, {layers} x [{rows}, {cols}] weights, "
              f"G weights/s (median of {repeats}, interleaved; load {os.getloadavg()[0]:.1f})"]
     for kind in shapes:
         rates = [f"M={m}: {layers * rows * cols / statistics.median(times[kind, m]) / 1e9:6.2f}"
                  for m in m_values]
-        lines.append(f"  {kind:7} " + "  ".join(rates))
+        lines.append(f"  {kind:12} " + "  ".join(rates))
     return "\n".join(lines)
 
 

@@ -315,41 +315,58 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
   return ffi::Error::Success();
 }
 
-ffi::Error Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+// 16-bit floats (BF16 weights, fp16 scales) arrive as their own XLA type or as uint16 bits.
+bool Is16(ffi::AnyBuffer& a, ffi::DataType f) {
+  return a.element_type() == f || a.element_type() == ffi::DataType::U16;
+}
+
+ffi::Error Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return Run<Format::kBf16>(pool, x, w.typed_data(), w.dimensions(), 2, nullptr, nullptr,
+  if (!Is16(w, ffi::DataType::BF16)) {
+    return ffi::Error::InvalidArgument("kipp_cpu_stored_matmul: bf16 w must be BF16 or uint16");
+  }
+  return Run<Format::kBf16>(pool, x, w.untyped_data(), w.dimensions(), 2, nullptr, nullptr,
                             layer, y);
 }
 
-ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::S32> layer,
-                ffi::ResultBuffer<ffi::F32> y) {
-  if (d.element_count() * kBlock != w.element_count()) {
-    return ffi::Error::InvalidArgument("kipp_cpu_stored_matmul: d does not match w's blocks");
+// The quantized formats: w's element type and the scale planes' shapes checked, then Run.
+template <Format F>
+ffi::Error Quantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                     ffi::AnyBuffer d, ffi::AnyBuffer* m, ffi::Buffer<ffi::S32> layer,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const ffi::DataType want = F == Format::kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8;
+  const int64_t per_block = F == Format::kQ8_0 ? kBlock : 16;
+  if (w.element_type() != want || !Is16(d, ffi::DataType::F16) ||
+      (m && !Is16(*m, ffi::DataType::F16))) {
+    return ffi::Error::InvalidArgument(
+        "kipp_cpu_stored_matmul: w must be int8 (q8_0) or uint8 nibbles, d and m fp16");
   }
-  return Run<Format::kQ8_0>(pool, x, w.typed_data(), w.dimensions(), 1, d.typed_data(),
-                            nullptr, layer, y);
-}
-
-ffi::Error Scale4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                  ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::S32> layer,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  if (d.element_count() * 16 != w.element_count()) {
-    return ffi::Error::InvalidArgument("kipp_cpu_stored_matmul: d does not match w's blocks");
-  }
-  return Run<Format::kScale4>(pool, x, w.typed_data(), w.dimensions(), 1, d.typed_data(),
-                              nullptr, layer, y);
-}
-
-ffi::Error Affine4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                   ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U16> m,
-                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  if (d.element_count() * 16 != w.element_count() || m.element_count() != d.element_count()) {
+  if (static_cast<int64_t>(d.element_count()) * per_block !=
+          static_cast<int64_t>(w.element_count()) ||
+      (m && m->element_count() != d.element_count())) {
     return ffi::Error::InvalidArgument(
         "kipp_cpu_stored_matmul: d or m does not match w's blocks");
   }
-  return Run<Format::kAffine4>(pool, x, w.typed_data(), w.dimensions(), 1, d.typed_data(),
-                               m.typed_data(), layer, y);
+  return Run<F>(pool, x, w.untyped_data(), w.dimensions(), 1,
+                static_cast<const uint16_t*>(d.untyped_data()),
+                m ? static_cast<const uint16_t*>(m->untyped_data()) : nullptr, layer, y);
+}
+
+ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                ffi::AnyBuffer d, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized<Format::kQ8_0>(pool, x, w, d, nullptr, layer, y);
+}
+
+ffi::Error Scale4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                  ffi::AnyBuffer d, ffi::Buffer<ffi::S32> layer,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized<Format::kScale4>(pool, x, w, d, nullptr, layer, y);
+}
+
+ffi::Error Affine4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                   ffi::AnyBuffer d, ffi::AnyBuffer m, ffi::Buffer<ffi::S32> layer,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized<Format::kAffine4>(pool, x, w, d, &m, layer, y);
 }
 
 }  // namespace
@@ -358,7 +375,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulBf16, Bf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U16>>()  // w: BF16 bits
+                                  .Arg<ffi::AnyBuffer>()  // w: BF16 (or its bits)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
 
@@ -366,8 +383,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulQ8_0, Q8_0,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // w: q
-                                  .Arg<ffi::Buffer<ffi::U16>>()  // d: fp16 bits
+                                  .Arg<ffi::AnyBuffer>()  // w: int8 q
+                                  .Arg<ffi::AnyBuffer>()  // d: fp16 (or its bits)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
 
@@ -375,8 +392,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulScale4, Scale4,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w: nibbles
-                                  .Arg<ffi::Buffer<ffi::U16>>()  // d: fp16 bits
+                                  .Arg<ffi::AnyBuffer>()  // w: uint8 nibbles
+                                  .Arg<ffi::AnyBuffer>()  // d: fp16 (or its bits)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
 
@@ -384,8 +401,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulAffine4, Affine4,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w: nibbles
-                                  .Arg<ffi::Buffer<ffi::U16>>()  // d: fp16 bits
-                                  .Arg<ffi::Buffer<ffi::U16>>()  // m: fp16 bits
+                                  .Arg<ffi::AnyBuffer>()  // w: uint8 nibbles
+                                  .Arg<ffi::AnyBuffer>()  // d: fp16 (or its bits)
+                                  .Arg<ffi::AnyBuffer>()  // m: fp16 (or its bits)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

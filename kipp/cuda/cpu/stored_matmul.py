@@ -32,7 +32,7 @@ def available() -> tuple[bool, str]:
 
 def matmul(x: jax.Array, w: Linear, layer=None) -> jax.Array:
     """x [M, K] float32 @ W^T -> [M, N] float32, W a "device"-layout Linear of one of FORMATS
-    (BF16 as uint16 bits or bfloat16), or its planes stacked over layers `[L, ...]` and read at
+    (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes stacked over layers `[L, ...]` and read at
     `layer` (the kernel indexes the stack: no copy)."""
     if w.fmt not in FORMATS:
         raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
@@ -42,14 +42,6 @@ def matmul(x: jax.Array, w: Linear, layer=None) -> jax.Array:
     planes = [a for a in (w.w, w.d, w.m) if a is not None]
     if layer is None:
         planes, layer = [a[None] for a in planes], 0
-    planes = [_bits(a) for a in planes]
     out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
     return jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{w.fmt}", out)(
         x.astype(jnp.float32), *planes, jnp.asarray(layer, jnp.int32).reshape(1))
-
-
-def _bits(a: jax.Array) -> jax.Array:
-    """16-bit floats (BF16 weights, fp16 scales) as their uint16 bits: what the kernel reads."""
-    if a.dtype in (jnp.bfloat16, jnp.float16):
-        return jax.lax.bitcast_convert_type(a, jnp.uint16)
-    return a
