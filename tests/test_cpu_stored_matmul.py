@@ -168,3 +168,40 @@ def test_the_jax_backend_runs_every_scheme_through_it(artifacts, monkeypatch, sc
         result = gates.gate_backends(want, backend, tokens, table, logits_rows=30,
                                      decode_steps=4, bound=1e-4)
         assert result.passed, result.detail
+
+
+@pytest.mark.slow  # two extra compiles of the kernel library (~1 min)
+@needs_kernel
+@pytest.mark.parametrize("flags", [("-mno-avx512f",),
+                                   ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")])
+def test_the_fallback_paths_give_the_same_bits(tmp_path, flags):
+    """The kernel built without AVX-512 (AVX2 + FMA), and without any of it (plain C++ decode,
+    std::fma), registered under its own target names: bitwise the -march=native build's output,
+    every scheme, decode and prefill row counts. (Skipped off x86, where the flags mean
+    nothing.)"""
+    import ctypes
+    import platform
+
+    from kipp.cuda.cpu import matmul as cpu_matmul
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 flags")
+    library = ctypes.CDLL(str(cpu_matmul.build(tmp_path, flags)))
+    suffix = "_".join(f.strip("-").replace("-", "") for f in flags)
+    for scheme, symbol in (("bf16", "Bf16"), ("q8_0", "Q8_0"), ("scale4_gs32", "Scale4"),
+                           ("affine4_gs32", "Affine4")):
+        jax.ffi.register_ffi_target(f"kipp_cpu_stored_matmul_{scheme}_{suffix}",
+                                    jax.ffi.pycapsule(getattr(
+                                        library, f"KippCpuStoredMatmul{symbol}")),
+                                    platform="cpu")
+    cpu_matmul._LIBRARIES.append(library)  # keep its code mapped: XLA holds the handlers
+    for scheme in SCHEMES:
+        for m in (1, 3, 8, 13):
+            x, w, _ = _case(m + 40, scheme, m, 37, 160)
+            planes = [a[None] for a in (w.w, w.d, w.m) if a is not None]
+            out = jax.ShapeDtypeStruct((m, 37), jnp.float32)
+            fallback = jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{scheme}_{suffix}", out)(
+                x, *planes, np.zeros(1, np.int32))
+            native = jax.jit(stored_matmul.matmul)(x, w)
+            assert np.array_equal(np.asarray(fallback).view(np.uint32),
+                                  np.asarray(native).view(np.uint32)), (scheme, m)

@@ -119,16 +119,17 @@ def _load() -> tuple[bool, str]:
 _LIBRARIES: list = []
 
 
-def build(directory: Path | None = None) -> Path:
+def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The kernels' shared library for this CPU, compiled once into `directory` (default
-    $KIPP_HOME/build); raises RuntimeError naming what is missing or the compiler's error."""
+    $KIPP_HOME/build); raises RuntimeError naming what is missing or the compiler's error.
+    `extra_flags` follow FLAGS (the tests build the fallback paths with -mno-avx512f etc.)."""
     from kipp.formats import store
 
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=60).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join(s.encode() for s in [
-        *(f.read_text() for f in SOURCES + HEADERS), compiler, *version, *FLAGS,
+        *(f.read_text() for f in SOURCES + HEADERS), compiler, *version, *FLAGS, *extra_flags,
         jax.__version__, _cpu_id()]))
     directory = Path(directory or store.home() / "build")
     path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -137,8 +138,8 @@ def build(directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         out = Path(scratch) / path.name
-        command = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), "-I", str(HERE),
-                   *map(str, SOURCES), "-o", str(out)]
+        command = [compiler, *FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir(), "-I",
+                   str(HERE), *map(str, SOURCES), "-o", str(out)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")

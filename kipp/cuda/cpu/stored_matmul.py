@@ -32,8 +32,9 @@ def available() -> tuple[bool, str]:
 
 def matmul(x: jax.Array, w: Linear, layer=None) -> jax.Array:
     """x [M, K] float32 @ W^T -> [M, N] float32, W a "device"-layout Linear of one of FORMATS
-    (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes stacked over layers `[L, ...]` and read at
-    `layer` (the kernel indexes the stack: no copy)."""
+    (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes
+    stacked over layers `[L, ...]` and read at `layer` (the kernel indexes the stack: no
+    copy)."""
     if w.fmt not in FORMATS:
         raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
     ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
