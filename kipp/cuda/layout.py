@@ -5,7 +5,8 @@ Three layouts, all exact images of the artifact's values (kipp.cuda.plan picks o
   q8_0 -> int8 `[out, in/32, 32]`; scale4_gs32 and affine4_gs32 -> uint8 nibbles
   `[out, in/32, 16]` in GGML order (byte j: element j low, j + 16 high); fp16 scales `d` (and
   affine4's `m`) `[out, in/32]`, the file's own bits. Embedding and head stay BF16. A GPU
-  always runs this one.
+  always runs this one; on one CPU Kipp's stored CPU matmul (kipp.cuda.cpu.stored_matmul)
+  reads it as it is.
 - "f32" (CPU): every projection, the embedding and the head widened to float32 (exact).
 - "panels" (one CPU device): float32 packed for Kipp's CPU matmul (kipp.cuda.cpu.matmul).
 Norms are float32 everywhere. `place_weights(stacked=True)` stacks each layer tensor over the

@@ -1,5 +1,6 @@
-// What Kipp's CPU kernels for the JAX backend share (matmul.cc, attention.cc): 8-float
-// vectors with an explicit fused multiply-add, and a parallel loop over XLA's intra-op pool.
+// What Kipp's CPU kernels for the JAX backend share (matmul.cc, attention.cc,
+// stored_matmul.cc): 8-float vectors with an explicit fused multiply-add, and a parallel loop
+// over XLA's intra-op pool.
 #ifndef KIPP_CUDA_CPU_KERNELS_H_
 #define KIPP_CUDA_CPU_KERNELS_H_
 
