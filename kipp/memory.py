@@ -8,8 +8,10 @@
   fast path for multi-row matmuls (see kipp.cuda.plan, kipp.apple.layout), at twice the
   memory of BF16.
 - "auto": on a GPU (Metal or CUDA) always "stored" (a fallback must fit where the kernels fit);
-  on a CPU "float32" when the copy fits the budget, half the memory available now, else
-  "stored". The choice and its reason go into `Backend.describe()`.
+  on a CPU "stored" where a kernel reads the stored format at least as fast as float32
+  (`stored_kernel`: the JAX backend's stored CPU matmul on one CPU device), else "float32"
+  when the copy fits the budget, half the memory available now, else "stored". The choice and
+  its reason go into `Backend.describe()`.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ def weight_budget() -> int:
     return int(BUDGET_FRACTION * available_bytes())
 
 
-def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int) -> WeightMemory:
+def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int,
+                         stored_kernel: bool = False) -> WeightMemory:
     """"stored" or "float32" for `requested` (module docstring); `float32_bytes` is what the
-    backend's float32 copy would take."""
+    backend's float32 copy would take; `stored_kernel`: a CPU kernel will read the stored
+    format, so a float32 copy buys no speed."""
     check_weight_memory(requested)
     if gpu:
         if requested == "float32":
@@ -74,6 +78,8 @@ def choose_weight_memory(requested: str, *, gpu: bool, float32_bytes: int) -> We
         return WeightMemory("stored", "a GPU reads the stored format")
     if requested != "auto":
         return WeightMemory(requested, f"weight_memory={requested!r} requested")
+    if stored_kernel:
+        return WeightMemory("stored", "auto: Kipp's stored CPU matmul reads the stored format")
     budget = weight_budget()
     size = f"{float32_bytes / 2**30:.2f} GiB float32 copy"
     if float32_bytes <= budget:

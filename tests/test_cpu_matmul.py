@@ -96,13 +96,13 @@ def test_switch_off_and_backend_layout(monkeypatch, artifacts):
     artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny", "bf16"))
     monkeypatch.setenv(cpu_matmul.ENV, "0")
     assert cpu_matmul.available() == (False, f"{cpu_matmul.ENV}=0 turns it off")
-    off = JaxBackend(artifact, 4)
+    off = JaxBackend(artifact, 4, weight_memory="float32")
     assert off.layout == "f32" and "f32 weights" in off.describe()
     with pytest.raises(Exception, match="panels weight layout needs"):
         JaxBackend(artifact, 4, weight_layout="panels")
     monkeypatch.delenv(cpu_matmul.ENV)
     if cpu_matmul.available()[0]:
-        on = JaxBackend(artifact, 4)
+        on = JaxBackend(artifact, 4, weight_memory="float32")
         assert on.layout == "panels" and "Kipp CPU matmul" in on.describe()
         assert on.weight_bytes == off.weight_bytes  # the same float32 values, repacked
 

@@ -69,10 +69,12 @@ def _err(got, x, dense):
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 37, 64), (2, 16, 96), (3, 21, 128),
                                    (4, 64, 256), (5, 19, 64), (8, 200, 512), (9, 33, 96),
-                                   (17, 70, 160), (64, 48, 1024), (1, 256, 4096)])
+                                   (17, 70, 160), (64, 48, 1024), (13, 300, 256),
+                                   (10, 40, 4096), (1, 256, 4096)])
 def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
-    """Row counts on every tile (1..8 rows decoded into registers, more through the scratch),
-    W row counts leaving partial tiles and units, one to 128 blocks a row."""
+    """Row counts on every tile (1..8 rows decoded into registers, more through the scratch
+    in tiles of up to 6), W row counts leaving partial tiles and units (a long round's unit
+    is as many W rows as fill the scratch: 16 to 128 here), one to 128 blocks a row."""
     x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
     got = jax.jit(stored_matmul.matmul)(x, w)
     twin = jax.jit(twin_matmul.linear)(x, jax.tree.map(jnp.asarray, w))  # what XLA runs
@@ -86,7 +88,7 @@ def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
 def test_each_row_is_bitwise_the_same_alone_or_batched(scheme):
     """Every row count a round makes (registers up to 8 rows, the scratch past them): the same
     FMA chains and lane tree, so the same bits."""
-    x, w, _ = _case(11, scheme, 20, 52, 192)
+    x, w, _ = _case(11, scheme, 20, 300, 192)  # 300 W rows: a long round's units split them
     call = jax.jit(stored_matmul.matmul)
     alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20):

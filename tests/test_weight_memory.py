@@ -1,8 +1,8 @@
 """weight_memory: twins that fit where the kernels fit (kipp.memory and the two backends).
 
 "stored" keeps the artifact's format (BF16 widened per chunk inside each matmul), "float32"
-widens once at load, "auto" is "stored" on a GPU and "float32" on a CPU when the copy fits the
-budget. Both modes are gated against the reference; the choice and its reason are in
+widens once at load, "auto" is "stored" on a GPU and where Kipp's stored CPU matmul runs, else
+"float32" on a CPU when the copy fits the budget. Both modes are gated against the reference; the choice and its reason are in
 describe(). Peak RSS and decode speed of both at the 0.6B shape are bench records.
 """
 
@@ -41,6 +41,11 @@ def test_choice(monkeypatch):
     assert big.mode == "stored" and "would exceed the budget" in big.reason
     assert memory.choose_weight_memory("float32", gpu=False, float32_bytes=3 * 2**30).mode == \
         "float32"  # an explicit request wins
+    kernel = memory.choose_weight_memory("auto", gpu=False, float32_bytes=2**30,
+                                         stored_kernel=True)  # fits, but buys no speed
+    assert kernel.mode == "stored" and "stored CPU matmul" in kernel.reason
+    assert memory.choose_weight_memory("float32", gpu=False, float32_bytes=1,
+                                       stored_kernel=True).mode == "float32"
     with pytest.raises(KippError, match="unknown weight_memory 'half'"):
         memory.choose_weight_memory("half", gpu=False, float32_bytes=1)
     assert 0 < memory.weight_budget() < memory.available_bytes()
@@ -153,10 +158,17 @@ def test_jax_weight_memory(artifacts, monkeypatch):
     from kipp.cuda.backend import LEAN_CPU_COMPILE, JaxBackend
     from kipp.cuda.cpu import matmul as cpu_matmul
 
+    from kipp.cuda.cpu import stored_matmul
+
     artifact = open_artifact(artifacts(UNTIED, "bf16"))
+    # auto on one CPU: stored where Kipp's stored CPU matmul runs, whatever the budget
+    kernel = stored_matmul.available()[0]
+    assert JaxBackend(artifact, 2).layout == ("device" if kernel else "panels"
+                                              if cpu_matmul.available()[0] else "f32")
     monkeypatch.setattr(memory, "weight_budget", lambda: 2**20)
     stored = JaxBackend(artifact, BLOCKS)
-    assert stored.layout == "device" and "would exceed the budget" in stored.describe()
+    assert stored.layout == "device" and ("stored CPU matmul reads" if kernel else
+                                          "would exceed the budget") in stored.describe()
     _gate(ReferenceBackend(artifact, BLOCKS), stored)
     wide = JaxBackend(artifact, BLOCKS, weight_memory="float32")
     # float32 on one CPU device: Kipp's CPU matmul panels where it builds, else plain float32

@@ -69,7 +69,8 @@ class JaxBackend(Backend):
         self.mesh = mesh
         facts = plan.gather(self.device, mesh)
         chosen = None if plan.explicit_layout(weight_layout) else memory.choose_weight_memory(
-            weight_memory, gpu=facts.gpu, float32_bytes=layout.float32_bytes(artifact))
+            weight_memory, gpu=facts.gpu, float32_bytes=layout.float32_bytes(artifact),
+            stored_kernel=plan.stored_kernel(facts, path))
         self.plan = plan.make_plan(facts, scheme=self.scheme.name, path=path,
                                    weight_memory=chosen, weight_layout=weight_layout,
                                    kv_scheme=kv_scheme)

@@ -78,6 +78,14 @@ class Plan:
     cpu_stored: bool = False  # the twins' stored-format projections on Kipp's CPU matmul
 
 
+def stored_kernel(facts: Facts, path: str = "auto") -> bool:
+    """Whether Kipp's stored CPU matmul will run the stored format (one CPU device, the twins,
+    the kernel built): then weight_memory "auto" keeps the stored format."""
+    choice = select.choose_path(path, "gpu" if facts.gpu else facts.platform,
+                                facts.device_kind, facts.twins_env)
+    return facts.one_cpu and not choice.kernels and facts.cpu_stored[0]
+
+
 def explicit_layout(weight_layout: str | None) -> bool:
     """Whether `weight_layout` overrides weight_memory (tests and tools name one)."""
     return weight_layout not in (None, "auto")

@@ -7,8 +7,10 @@
 // kipp/formats/quant.py does (bits << 16; d * q; d * (q - 8); d * q + m), with AVX-512 where
 // the CPU has it (the library is built -march=native) and plain C++ otherwise. A decode round
 // (up to 8 rows of x) decodes each block once into registers and multiplies every row against
-// it; a longer round decodes the unit's rows once into a float32 scratch and runs the x rows
-// against it in tiles of up to 4 x rows by 4 W rows. Either way each stored byte is read once.
+// it; a longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
+// decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows, each x
+// vector held in a register across the tile's W rows (loads, not FMAs, bounded the 4 x 4
+// tile). Either way each stored byte is read once.
 //
 // Numerics: each output y[m][n] is a 16-lane fused multiply-add chain over k (lane j sums
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations
@@ -25,7 +27,7 @@ typedef float v16 __attribute__((vector_size(64)));
 
 constexpr int64_t kBlock = 32;  // weights per quantization block
 constexpr int64_t kLanes = 16;  // accumulator lanes per output
-constexpr int64_t kTile = 4;    // W rows per tile (and x rows per tile)
+constexpr int64_t kTile = 4;    // W rows per tile
 constexpr int64_t kGroup = 16;  // W rows decoded per work unit
 
 inline v16 Load16(const float* p) {
@@ -58,13 +60,33 @@ inline v16 Fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
-// The lanes' sum in one fixed tree: (0 + 8), then + 4, + 2, + 1 apart.
+// Keeps v in a register: without it the compiler folds the x load into every FMA that uses it,
+// and loads, not FMAs, bound the tile (a CPU that splits 512-bit loads feels it most).
+inline void Pin(v16& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
+// The lanes' sum in one fixed tree: (0 + 8), then + 4, + 2, + 1 apart. AVX-512 adds the same
+// pairs in vector halves (the same bits: each add is the same two floats).
 inline float Sum16(v16 v) {
+#if defined(__AVX512F__)
+  const __m512 z = reinterpret_cast<__m512>(v);
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(z),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+#else
   float a[16];
   std::memcpy(a, &v, sizeof a);
   for (int w = 8; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
   return a[0];
+#endif
 }
 
 // IEEE half bits -> float, exactly (every fp16 value, subnormals included, is a float32).
@@ -179,7 +201,7 @@ void DecodeRow(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, i
   }
 }
 
-// R rows of x (at most kTile: decode rounds) against W rows n0 .. n0 + C - 1 decoded block by
+// R rows of x (a decode round) against W rows n0 .. n0 + C - 1 decoded block by
 // block into registers: the same FMA chains as Tile over a decoded scratch, without the scratch.
 template <Format F, int R, int C>
 void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, const uint16_t* m,
@@ -228,7 +250,8 @@ void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
     v16 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Load16(w + c * k + i);
     for (int r = 0; r < R; ++r) {
-      const v16 xv = Load16(x + r * k + i);
+      v16 xv = Load16(x + r * k + i);
+      Pin(xv);
       for (int c = 0; c < C; ++c) acc[r][c] = Fma16(xv, wv[c], acc[r][c]);
     }
   }
@@ -236,21 +259,35 @@ void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
     for (int c = 0; c < C; ++c) y[r * ldy + c] = Sum16(acc[r][c]);
 }
 
+// Tiles of a long round: up to 6 x rows by 4 W rows (24 accumulators, 4 weight vectors and
+// one x vector: 29 of AVX-512's 32 registers).
+constexpr int64_t kLongRows = 6;
 using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-constexpr TileFn kTiles[kTile][kTile] = {
+constexpr TileFn kTiles[kLongRows][kTile] = {
     {Tile<1, 1>, Tile<1, 2>, Tile<1, 3>, Tile<1, 4>},
     {Tile<2, 1>, Tile<2, 2>, Tile<2, 3>, Tile<2, 4>},
     {Tile<3, 1>, Tile<3, 2>, Tile<3, 3>, Tile<3, 4>},
-    {Tile<4, 1>, Tile<4, 2>, Tile<4, 3>, Tile<4, 4>}};
+    {Tile<4, 1>, Tile<4, 2>, Tile<4, 3>, Tile<4, 4>},
+    {Tile<5, 1>, Tile<5, 2>, Tile<5, 3>, Tile<5, 4>},
+    {Tile<6, 1>, Tile<6, 2>, Tile<6, 3>, Tile<6, 4>}};
 
-// Unit u: W rows [u * kGroup, ...) against all M rows of x: fused for a decode round, else
+// W rows per work unit: kGroup for a decode round; for a long round as many as fill about
+// kScratchBytes of float32 scratch (L2-sized), so x, re-read once per unit, streams less often.
+constexpr int64_t kScratchBytes = 256 << 10;
+inline int64_t Group(int64_t rows, int64_t k) {
+  if (rows <= kFusedRows) return kGroup;
+  const int64_t fit = kScratchBytes / (k * static_cast<int64_t>(sizeof(float)));
+  return std::max(kGroup, std::min<int64_t>(8 * kGroup, fit / kTile * kTile));
+}
+
+// Unit u: W rows [u * group, ...) against all M rows of x: fused for a decode round, else
 // decoded once into the scratch and run x row tile by x row tile (a tile's x rows stay in L1
 // over the group's W tiles).
 template <Format F>
 void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, float* y,
-          int64_t rows, int64_t k, int64_t n, int64_t u) {
-  const int64_t first = u * kGroup;
-  const int64_t count = std::min(kGroup, n - first);
+          int64_t rows, int64_t k, int64_t n, int64_t group, int64_t u) {
+  const int64_t first = u * group;
+  const int64_t count = std::min(group, n - first);
   if (rows <= kFusedRows) {  // a decode round: each block decoded once, into registers
     const int64_t width = Fused<F>::Width(rows);
     for (int64_t c = 0; c < count; c += width) {
@@ -259,15 +296,17 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
     }
     return;
   }
-  thread_local std::unique_ptr<float[]> scratch;
+  // 64-byte aligned: a 16-lane load that splits a cache line costs two.
+  thread_local std::unique_ptr<float, decltype(&std::free)> scratch(nullptr, &std::free);
   thread_local int64_t capacity = 0;
-  if (capacity < kGroup * k) {
-    scratch.reset(new float[kGroup * k]);
-    capacity = kGroup * k;
+  if (capacity < group * k) {
+    scratch.reset(static_cast<float*>(std::aligned_alloc(64, group * k * sizeof(float))));
+    if (!scratch) throw std::bad_alloc();
+    capacity = group * k;
   }
   for (int64_t c = 0; c < count; ++c) DecodeRow<F>(w, d, m, first + c, k, scratch.get() + c * k);
-  for (int64_t r = 0; r < rows; r += kTile) {
-    const int64_t tr = std::min(kTile, rows - r);
+  for (int64_t r = 0; r < rows; r += kLongRows) {
+    const int64_t tr = std::min(kLongRows, rows - r);
     for (int64_t c = 0; c < count; c += kTile) {
       const int64_t tc = std::min(kTile, count - c);
       kTiles[tr - 1][tc - 1](x + r * k, k, scratch.get() + c * k, y + r * n + first + c, n);
@@ -307,10 +346,11 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   if (rows == 0) return ffi::Error::Success();
-  const int64_t units = (n + kGroup - 1) / kGroup;
+  const int64_t group = Group(rows, k);
+  const int64_t units = (n + group - 1) / group;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
-    Unit<F>(xp, wp, dp, mp, yp, rows, k, n, u);
+    Unit<F>(xp, wp, dp, mp, yp, rows, k, n, group, u);
   });
   return ffi::Error::Success();
 }

@@ -5,9 +5,11 @@ Why: a CPU decode step is bound by the bytes it streams; the float32 panels (kip
 matmul) stream 4 bytes a weight whatever the artifact holds, and XLA's own dots over the stored
 planes run far slower. The kernel (stored_matmul.cc, built into the library kipp.cuda.cpu.matmul
 compiles for this CPU with -march=native: AVX-512 where the CPU has it, AVX2 + FMA otherwise,
-plain vectors elsewhere) decodes 16 weight rows at a time into a float32 scratch, exactly as
-kipp.formats.quant.dequantize does, and multiplies every row of x against them: each stored
-byte is read once per call, however many rows. The activation stays float32, so the only error
+plain vectors elsewhere) decodes the weights exactly as kipp.formats.quant.dequantize does,
+into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
+multiplies every row of x against them: each stored byte is read once per call, however many
+rows; a long round runs as fast as the float32 panels, so weight_memory "auto" keeps the
+stored format where this kernel runs (kipp.memory). The activation stays float32, so the only error
 against the float64 oracle is float32 summation (tests/test_cpu_stored_matmul.py), and a row's
 result is bitwise the same alone or batched. `available()` says why when it cannot be built;
 KIPP_JAX_CPU_STORED=0 turns it off. Twin: kipp.cuda.pallas.quant_matmul.quant_matmul_reference.
