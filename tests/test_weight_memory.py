@@ -2,8 +2,9 @@
 
 "stored" keeps the artifact's format (BF16 widened per chunk inside each matmul), "float32"
 widens once at load, "auto" is "stored" on a GPU and where Kipp's stored CPU matmul runs, else
-"float32" on a CPU when the copy fits the budget. Both modes are gated against the reference; the choice and its reason are in
-describe(). Peak RSS and decode speed of both at the 0.6B shape are bench records.
+"float32" on a CPU when the copy fits the budget. Both modes are gated against the reference;
+the choice and its reason are in describe(). Peak RSS and decode speed of both at the 0.6B
+shape are bench records.
 """
 
 import subprocess
@@ -157,7 +158,6 @@ def test_jax_weight_memory(artifacts, monkeypatch):
     pytest.importorskip("jax")
     from kipp.cuda.backend import LEAN_CPU_COMPILE, JaxBackend
     from kipp.cuda.cpu import matmul as cpu_matmul
-
     from kipp.cuda.cpu import stored_matmul
 
     artifact = open_artifact(artifacts(UNTIED, "bf16"))
