@@ -305,7 +305,8 @@ def _add_model_arguments(p) -> None:
                    help="KV cache format: bf16, or q8_0 (~1.9x smaller, near-lossless)")
     p.add_argument("--weight-memory", default="auto", choices=("auto", "stored", "float32"),
                    help="how jax/mlx hold BF16 weights: as stored, or a float32 copy (CPU; "
-                   "auto: float32 when it fits half the available memory, stored on a GPU)")
+                   "auto: stored on a GPU and where Kipp's stored CPU matmul runs, else "
+                   "float32 when it fits half the available memory)")
 
 
 def _add_sampling_arguments(p, max_tokens: int) -> None:

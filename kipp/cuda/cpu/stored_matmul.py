@@ -8,7 +8,7 @@ compiles for this CPU with -march=native: AVX-512 where the CPU has it, AVX2 + F
 plain vectors elsewhere) decodes the weights exactly as kipp.formats.quant.dequantize does,
 into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
 multiplies every row of x against them: each stored byte is read once per call, however many
-rows; a long round runs as fast as the float32 panels, so weight_memory "auto" keeps the
+rows; a long round runs about as fast as the float32 panels, so weight_memory "auto" keeps the
 stored format where this kernel runs (kipp.memory). The activation stays float32, so the only error
 against the float64 oracle is float32 summation (tests/test_cpu_stored_matmul.py), and a row's
 result is bitwise the same alone or batched. `available()` says why when it cannot be built;
