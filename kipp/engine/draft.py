@@ -108,7 +108,7 @@ class ModelDrafter:
                 return False
         more = (len(self.tokens) < self._limit and token not in self.stop_ids
                 and len(self._base) + len(self.tokens) < self.capacity
-                and not (self._matcher is not None and self._matcher.complete()))
+                and not (self._matcher is not None and self._matcher.complete))
         self.feed = [token] if more else None
         return more
 
