@@ -12,6 +12,9 @@
               kipp serve, llama-cpp-python's server and vLLM's, same client (bench/server_bench.py)
     engine    Kipp against itself in one run: server vs raw step rate, batch scaling, reused-
               prompt TTFT vs one decode step (bench/engine_bench.py)
+    spec      speculative decoding with a draft model: speed-up at each acceptance dial,
+              greedy and sampled, 1 stream and 8; the bandwidth model's prediction
+              (bench/draft_bench.py)
     kernels   compile every Pallas kernel at every registry shape for an H200 (no GPU needed):
               registers, spills, shared memory, tensor-core dots, roofline (bench/kernels.py)
 """
@@ -438,6 +441,10 @@ def _add_kernels_command(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["spec"]:  # its own flags (bench/draft_bench.py)
+        from bench import draft_bench
+
+        return draft_bench.main(argv[1:])
     args = _parser().parse_args(argv)
     simple = {"prepare": cmd_prepare, "peers": cmd_peers, "report": cmd_report,
               "campaign": cmd_campaign}

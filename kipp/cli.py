@@ -91,7 +91,22 @@ def _load(args):
     return load(args.model, backend=args.backend, scheme=args.scheme,
                 kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
                 kv_scheme=getattr(args, "kv_scheme", "bf16"),
-                weight_memory=getattr(args, "weight_memory", "auto"))
+                weight_memory=getattr(args, "weight_memory", "auto"),
+                draft=getattr(args, "draft_model", None),
+                draft_tokens=getattr(args, "draft_tokens", None))
+
+
+def _add_draft_arguments(p) -> None:
+    p.add_argument("--draft-model", metavar="MODEL", help="a small model of the same family "
+                   "(same tokenizer) drafting for speculative decoding: greedy output is plain "
+                   "greedy's, sampled output plain sampling's distribution (implies --spec)")
+    p.add_argument("--draft-tokens", type=_at_least(1), metavar="K",
+                   help="longest draft (default 15; the adaptive gate picks fewer per step)")
+
+
+def _speculative(args, model):
+    """What --spec and --draft-model ask for: the draft model's config, or prompt lookup."""
+    return model.draft_spec or args.spec
 
 
 def _sampling(args) -> dict:
@@ -101,8 +116,11 @@ def _sampling(args) -> dict:
 
 def _check_sampling(args) -> None:
     """Flag combinations, before the model loads (each flag's own range is argparse's)."""
-    if args.spec and not SamplingParams(**_sampling(args)).is_greedy:
-        raise KippError("--spec is greedy only: add --temperature 0 (or --top-k 1)")
+    if args.draft_tokens is not None and not args.draft_model:
+        raise KippError("--draft-tokens needs --draft-model")
+    if args.spec and not args.draft_model and not SamplingParams(**_sampling(args)).is_greedy:
+        raise KippError("--spec is greedy only: add --temperature 0 (or --top-k 1), or draft "
+                        "with --draft-model")
     from kipp.formats import registry
 
     entry = registry.REGISTRY.get(args.model)
@@ -114,8 +132,8 @@ def _check_sampling(args) -> None:
 def _run(args) -> None:
     _check_sampling(args)
     model = _load(args)
-    generation = model.generate(args.prompt, args.max_tokens, stream=True, speculative=args.spec,
-                                **_sampling(args))
+    generation = model.generate(args.prompt, args.max_tokens, stream=True,
+                                speculative=bool(_speculative(args, model)), **_sampling(args))
     _stream(generation)
 
 
@@ -147,7 +165,8 @@ def _chat(args) -> None:
         while (line := _read_turn()) is not None:
             messages.append({"role": "user", "content": line})
             generation = model.chat(messages, args.max_tokens, stream=True, session=session,
-                                    speculative=args.spec, enable_thinking=not args.no_think,
+                                    speculative=bool(_speculative(args, model)),
+                                    enable_thinking=not args.no_think,
                                     **_sampling(args))
             try:
                 _stream(generation)
@@ -185,7 +204,7 @@ def _serve(args) -> None:
     serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           prefill_chunk=args.prefill_chunk, threads=args.threads,
           served_names=tuple(args.served_model_name or ()),
-          chat_max_tokens=args.chat_max_tokens, speculative=args.spec,
+          chat_max_tokens=args.chat_max_tokens, speculative=_speculative(args, model),
           drain_timeout=args.drain_timeout, reasoning_format=args.reasoning_format,
           max_output_tokens=args.max_output_tokens, stops=tuple(args.stop or ()),
           access=access)
@@ -310,6 +329,7 @@ def _add_model_arguments(p) -> None:
 
 
 def _add_sampling_arguments(p, max_tokens: int) -> None:
+    _add_draft_arguments(p)
     p.add_argument("--spec", action="store_true", help="greedy self-speculative decoding "
                    "(prompt-lookup drafts; same output, fewer evals); needs --temperature 0")
     p.add_argument("--max-tokens", type=_at_least(1), default=max_tokens,
@@ -417,6 +437,7 @@ def _add_serve_command(commands) -> None:
                    "until shortly before it")
     p.add_argument("--spec", action="store_true", help="speculative decoding for greedy "
                    "requests (prompt-lookup drafts; same tokens, fewer evals)")
+    _add_draft_arguments(p)
     p.add_argument("--served-model-name", action="append", metavar="NAME",
                    help="a model name requests may give (repeat for aliases; the first is the "
                    "one responses report; default: the checkpoint id)")

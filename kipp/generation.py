@@ -80,11 +80,26 @@ def request_for(model, prompt: list[int], max_tokens: int, stop, params: Samplin
     if not isinstance(speculative, (bool, SpecConfig)):
         raise GenerationError(f"speculative must be True, False or a kipp.engine.spec.SpecConfig, "
                               f"got {speculative!r}")
-    if speculative and not params.is_greedy:
-        raise GenerationError("speculative decoding is greedy only: set temperature=0 (or "
-                              "top_k=1); a sampled token cannot be verified against a draft")
+    draft_spec = getattr(model, "draft_spec", None)  # kipp.load(..., draft=...)
+    if speculative is True and draft_spec is not None:
+        spec = draft_spec
+    elif speculative is True:
+        if not params.is_greedy:
+            raise GenerationError("speculative=True (prompt lookup) is greedy only: set "
+                                  "temperature=0 (or top_k=1), or load a draft model "
+                                  "(kipp.load(..., draft=...)), which verifies sampling exactly")
+        spec = SpecConfig()
+    else:
+        spec = speculative or None
+    if spec is not None and spec.draft_model is not None:
+        from kipp.engine.draft import check_draft_model
+        from kipp.engine.spec import SpecError
+
+        try:
+            check_draft_model(model, spec.draft_model)
+        except SpecError as e:
+            raise GenerationError(str(e)) from None
     stops = [stop] if isinstance(stop, str) else list(stop or [])  # checked by StopPatterns
-    spec = SpecConfig() if speculative is True else speculative or None
     return Request(tuple(prompt), max_tokens, sampling=params, stop=tuple(stops),
                    logprobs=logprobs, grammar=grammar, spec=spec, reasoning=reasoning)
 

@@ -50,7 +50,8 @@ JAX_DEFAULT_KV_TOKENS = 8192
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_tokens: int | None = None, progress: bool = True,
          kv_scheme: str = "bf16", kv_mib: float | None = None,
-         weight_memory: str = "auto") -> "Model":
+         weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
+         draft_tokens: int | None = None) -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -58,10 +59,15 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `kv_scheme` "q8_0" stores K and V as Q8_0 blocks (~1.9x fewer bytes than "bf16").
     `kv_mib` sizes the slab in memory instead of tokens: the same MiB hold ~1.9x more tokens
     with q8_0 KV (give kv_tokens or kv_mib, not both). `weight_memory` ("auto", "stored",
-    "float32") says how the jax and mlx backends hold their weights (kipp.memory). Every
-    argument is checked before any download, conversion or allocation."""
+    "float32") says how the jax and mlx backends hold their weights (kipp.memory).
+    `draft` (a checkpoint as above, or a loaded Model on the same backend) is a small model of
+    the family that drafts for `speculative=True`, greedy or sampled (kipp.engine.draft); it
+    must share the tokenizer exactly. `draft_tokens` caps its draft length (default: the
+    adaptive gate's longest, 15). Every argument is checked before any download, conversion
+    or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
     check_weight_memory(weight_memory)
+    sizes = _draft_sizes(draft, draft_tokens)
     choice = choose_backend(backend)
     artifact = _open_checkpoint(checkpoint, scheme, progress)
     if kv_mib is not None:
@@ -78,7 +84,25 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
         backend.progress = progress  # a progress line for each first-call compile
     if progress:
         print(f"kipp: backend {backend.describe()} ({choice.reason})", file=sys.stderr)
-    return Model(artifact, backend, tokenizer)
+    model = Model(artifact, backend, tokenizer)
+    if draft is not None:
+        if not isinstance(draft, Model):
+            draft = load(draft, choice.name, scheme, kv_tokens, progress, kv_scheme, kv_mib,
+                         weight_memory)
+        model.set_draft(draft, sizes)
+    return model
+
+
+def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:
+    """The gate's draft sizes for draft_tokens: the defaults up to it, and it."""
+    if draft_tokens is None:
+        return None
+    if draft is None:
+        raise KippError("draft_tokens needs a draft model (draft=...)")
+    if (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, numbers.Integral)
+            or not 1 <= draft_tokens <= 64):
+        raise KippError(f"draft_tokens must be an integer in 1..64, got {draft_tokens!r}")
+    return tuple(k for k in (3, 7, 15) if k < draft_tokens) + (int(draft_tokens),)
 
 
 def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None:
@@ -162,6 +186,18 @@ class Model:
         self.pool = BlockPool(backend.num_blocks)
         self.tokenizer = Tokenizer(artifact.tokenizer_data()) if tokenizer is None else tokenizer
         self._engine = None
+        self.draft: Model | None = None  # the draft model speculative=True drafts with
+        self.draft_spec: SpecConfig | None = None
+
+    def set_draft(self, draft: "Model | None", sizes: tuple[int, ...] | None = None) -> None:
+        """Draft with `draft` (None: prompt lookup again) for speculative=True; SpecError if it
+        cannot draft for this model (another tokenizer or backend)."""
+        if draft is None:
+            self.draft = self.draft_spec = None
+            return
+        gate = {} if sizes is None else {"sizes": sizes}
+        self.draft_spec = SpecConfig.model(draft, self, **gate)
+        self.draft = draft
 
     def _display_rows(self) -> list[tuple[str, str]]:
         pool = self.pool
@@ -249,9 +285,10 @@ class Model:
         """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
         Generation: an iterator of text pieces (sync `for` or `async for`) whose `.stats` fill
         in as it runs. Sampling keywords are those of SamplingParams (temperature, top_p,
-        top_k, min_p, penalties, logit_bias, seed). `speculative=True` (greedy only:
-        temperature=0 or top_k=1) emits the same tokens in fewer evals (kipp.engine.spec; a
-        SpecConfig picks the drafter and gate); `.stats.spec` counts its drafts. `logprobs=k`
+        top_k, min_p, penalties, logit_bias, seed). `speculative=True` emits the same tokens
+        in fewer evals (kipp.engine.spec): prompt lookup, greedy only, or with a draft model
+        (load(..., draft=...)) greedy or sampled, distributed exactly as without; a SpecConfig
+        picks the drafter and gate. `.stats.spec` counts its drafts. `logprobs=k`
         records each token's logprob and the top k in `.stats.logprobs`.
         `session` continues an open Session (a conversation): it keeps the longest prefix its
         tokens share with the prompt (cut back where they differ), evaluates only the rest,

@@ -16,6 +16,7 @@ from enum import Enum
 
 import numpy as np
 
+from kipp.engine.draft import ModelDrafter
 from kipp.engine.output import ChoiceOutput
 from kipp.engine.requests import Delta, Done, FinishReason, Ticket, TokenLogprob, timings
 from kipp.engine.session import Session
@@ -50,10 +51,17 @@ class Choice:
         self.state = ChoiceState.WAITING if wait else ChoiceState.RUNNING
         self.pending: int | None = None  # the picked token the next step evaluates
         spec = run.spec
-        self.drafter = spec.drafter() if spec else None
+        self.drafter = spec.drafter() if spec and spec.drafter else None
+        self.model_drafter = None
+        if spec and spec.draft_model is not None:
+            self.model_drafter = ModelDrafter(spec.draft_model, request.sampling, index,
+                                              session.capacity, model.entry.stop_token_ids)
+            self.model_drafter.isolated = run.isolated
         self.gate = spec.gate() if spec else None
         self.spec = SpecStats() if spec else None
         self.draft: list[int] = []
+        self.draft_q: list[np.ndarray] | None = None  # the distribution of each draft token
+        self.draft_source = ""  # the drafter's name
         self.decode_evals = 0
 
     @property
@@ -65,12 +73,45 @@ class Choice:
         return self.pending is None
 
     def next_tokens(self, chunk: int) -> list[int]:
-        """The tokens this step evaluates: the next prompt chunk, or pending + draft."""
+        """The tokens this step evaluates: the next prompt chunk, or pending + draft (drafted
+        by start_draft, and finish_draft for a draft model, before the step)."""
         if self.in_prompt:
             start = self.session.length
             return list(self.run.request.prompt[start:start + chunk])
-        self.draft = self._draft()
         return [self.pending] + self.draft
+
+    def start_draft(self) -> tuple | None:
+        """This step's draft from the choice's drafter, or when it has none and a draft model
+        drafts, the (tokens, limit, matcher) to start that model's draft with
+        (kipp.engine.draft.draft_many; then finish_draft)."""
+        self.draft, self.draft_q, self.draft_source = [], None, ""
+        if self.in_prompt or self.gate is None:
+            return None
+        budget = self._budget()
+        if budget <= 0:
+            return None
+        tokens = self.session.tokens + [self.pending]
+        if self.drafter is not None:
+            draft = self.drafter.draft(tokens, budget)
+            # cutting a deterministic draft at a barred token keeps sampling exact: that
+            # token's verify would reject it for sure and draw from p itself
+            if draft and self.matcher is not None:
+                draft = draft[:self.matcher.valid_prefix(draft)]
+            if draft:
+                self.draft = draft
+                self.draft_source = getattr(self.drafter, "name", "custom")
+                return None
+        if self.model_drafter is not None:
+            return tokens, budget, self.matcher
+        return None
+
+    def finish_draft(self) -> None:
+        """Take the draft model's draft (every token of it: cutting a sampled draft at a token
+        would bias the verify's residual)."""
+        drafter = self.model_drafter
+        if drafter.tokens:
+            self.draft, self.draft_q = list(drafter.tokens), drafter.qs
+            self.draft_source = drafter.name
 
     def rows(self, tokens: list[int]) -> int:
         """Logits rows to ask for `tokens`: every row when scoring the prompt."""
@@ -104,16 +145,24 @@ class Choice:
     def close(self) -> None:
         self.state = ChoiceState.DONE
         self.pending = None
+        if self.model_drafter is not None:
+            self.model_drafter.close()
         if self.index == 0 and self.run.prompt_done_at is None:
             self.run.prompt_done_at = time.perf_counter()
 
-    def _pick(self, logits: np.ndarray, history=None) -> int:
+    def _pick(self, logits: np.ndarray, history=None, drafted: int | None = None,
+              q: np.ndarray | None = None) -> int:
+        """Pick, emit and return the next token; at a drafted position (the draft token and
+        the distribution it was drawn from) by the exact speculative rule."""
         think = self.output.think
         token = think.forced() if think is not None else None  # a reasoning budget's closing
         if token is None:
             allowed = None if self.matcher is None else self.matcher.allowed()
-            token = self.sampler.sample(logits, self.session.tokens if history is None
-                                        else history, allowed)
+            history = self.session.tokens if history is None else history
+            if drafted is None:
+                token = self.sampler.sample(logits, history, allowed)
+            else:
+                token = self.sampler.verify(logits, history, allowed, drafted, q)
         before = len(self.output.generated)
         reason = self.output.accept(token, logits)
         self.run.scheduler.counters["generated_tokens"] += len(self.output.generated) - before
@@ -123,9 +172,7 @@ class Choice:
             self.pending = token
         return token
 
-    def _draft(self) -> list[int]:
-        if self.drafter is None:
-            return []
+    def _budget(self) -> int:
         # The draft must fit the session, and emitting all of it plus the model's own next
         # token must not pass max_tokens.
         room = min(self.session.remaining - 1,
@@ -134,35 +181,38 @@ class Choice:
         free = think.free() if think is not None else None
         if free is not None:  # the draft stops where a reasoning budget's closing starts
             room = min(room, free - 1)
-        budget = min(self.gate.budget(), room)
-        draft = self.drafter.draft(self.session.tokens + [self.pending], budget) \
-            if budget > 0 else []
-        if draft and self.matcher is not None:  # never verify what the grammar bars
-            draft = draft[:self.matcher.valid_prefix(draft)]
-        return draft
+        return min(self.gate.budget(), room)
 
     def _verify(self, rows: np.ndarray) -> None:
         """Accept the draft up to the first row whose pick disagrees, plus that pick; roll the
         rejected draft's KV back. Each pick goes through the output as a plain step's would,
-        so stop tokens, stop strings and max_tokens cut in the same place."""
+        so stop tokens, stop strings and max_tokens cut in the same place. Greedy, a row's
+        pick is its argmax; sampled, a drafted row keeps its draft token or draws from the
+        residual (Sampler.verify), which never returns the rejected token."""
         draft, session = self.draft, self.session
         evaluated = session.length  # pending + draft are in the session now
         matched = 0
         for i, row in enumerate(rows):
             # Row i's history is the session's tokens up to and including its own position.
-            token = self._pick(row, session.tokens[: evaluated - len(draft) + i])
+            history = session.tokens[: evaluated - len(draft) + i]
+            if i < len(draft):
+                q = None if self.draft_q is None else self.draft_q[i]
+                token = self._pick(row, history, draft[i], q)
+            else:
+                token = self._pick(row, history)
             if i == len(draft) or token != draft[i]:
                 break
             matched += 1  # a drafted stop token counts: the draft was right
             if self.state is ChoiceState.DONE:
                 break
         self.gate.update(len(draft), matched)
-        self.spec.verify_evals += 1
-        self.spec.drafted += len(draft)
-        self.spec.accepted += matched
+        self.spec.record(self.draft_source, len(draft), matched)
         counters = self.run.scheduler.counters
-        counters["spec_drafted"] += len(draft)
-        counters["spec_accepted"] += matched
+        for suffix in ("", f"_{self.draft_source}"):
+            counters[f"spec_drafted{suffix}"] = counters.get(f"spec_drafted{suffix}", 0) + \
+                len(draft)
+            counters[f"spec_accepted{suffix}"] = counters.get(f"spec_accepted{suffix}", 0) + \
+                matched
         keep = evaluated - len(draft) + matched
         if self.state is not ChoiceState.DONE and keep < evaluated:
             session.truncate(keep)
@@ -187,9 +237,13 @@ class Run:
         self.adopts = not self.isolated  # whether choices adopt published prompt blocks
         self.scores_prompt = request.echo and request.logprobs is not None
         self.prompt_logprobs: list[TokenLogprob] = []  # echo: one per prompt token so far
-        self.spec: SpecConfig | None = None  # speculative drafts verify greedy picks only
-        if request.sampling.is_greedy:
-            self.spec = request.spec or (SpecConfig() if scheduler.speculative else None)
+        # A request's own SpecConfig, else the scheduler's: one (a draft model) for every
+        # request, or True: prompt lookup for greedy requests
+        self.spec: SpecConfig | None = request.spec
+        if self.spec is None and isinstance(scheduler.speculative, SpecConfig):
+            self.spec = scheduler.speculative
+        elif self.spec is None and scheduler.speculative and request.sampling.is_greedy:
+            self.spec = SpecConfig()
 
     @property
     def live(self) -> list[Choice]:
@@ -253,6 +307,8 @@ class Run:
         """Publish every owned choice's full blocks, release them and the unused reservation;
         a borrowed session stays open, holding what it evaluated."""
         for choice in self.choices:
+            if choice.model_drafter is not None:
+                choice.model_drafter.close()
             if choice.session is self.ticket.session:
                 choice.session.reservation = None
             else:
@@ -269,8 +325,7 @@ class Run:
         if self.spec is not None:
             spec = SpecStats()
             for c in self.choices:
-                for key in ("drafted", "accepted", "verify_evals", "plain_evals"):
-                    setattr(spec, key, getattr(spec, key) + getattr(c.spec, key))
+                spec.add(c.spec)
         return Done(len(self.request.prompt), self.cached_tokens, completion,
                     timings(len(self.request.prompt) - self.cached_tokens, self.cached_tokens,
                             1000 * (prompt_done - self.admitted_at), completion,

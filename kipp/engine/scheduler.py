@@ -38,6 +38,7 @@ import numpy as np
 from kipp.engine import admission
 from kipp.engine.admission import MAX_CHOICES, SchedulerError
 from kipp.engine.choices import Choice, ChoiceState, Run
+from kipp.engine.draft import draft_many
 from kipp.engine.requests import (  # noqa: F401  (the engine's request API, re-exported)
     Delta,
     Done,
@@ -75,13 +76,15 @@ class Scheduler:
     steps it; submit, cancel and drain are safe from any thread."""
 
     def __init__(self, model, max_batch: int = MAX_CHOICES, max_queue: int = 64,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative: bool = False,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, speculative=False,
                  masks_ahead: bool | None = None):
         if max_batch < 1 or max_queue < 1 or prefill_chunk < 1:
             raise SchedulerError("max_batch, max_queue and prefill_chunk must be positive")
         self.model = model
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self.speculative = speculative  # greedy requests verify prompt-lookup drafts
+        # True: greedy requests verify prompt-lookup drafts; a SpecConfig: every request
+        # drafts with it (a draft model: kipp.engine.draft)
+        self.speculative = speculative
         # Grammar masks for the next step computed during its eval (None: where it pays).
         self.masks_ahead = (masks_ahead_for(model) if masks_ahead is None else masks_ahead)
         self._prefetch: list[Matcher] = []
@@ -295,8 +298,13 @@ class Scheduler:
         return True
 
     def _plan(self) -> list[tuple[Choice, list[int]]]:
-        return [(c, c.next_tokens(self.prefill_chunk)) for r in self._running for c in r.live
-                if c.state is ChoiceState.RUNNING]
+        running = [c for r in self._running for c in r.live if c.state is ChoiceState.RUNNING]
+        drafting = [(c, start) for c in running if (start := c.start_draft()) is not None]
+        if drafting:  # draft models draft in lockstep: one draft eval per position
+            draft_many([c.model_drafter for c, _ in drafting], [s for _, s in drafting])
+            for c, _ in drafting:
+                c.finish_draft()
+        return [(c, c.next_tokens(self.prefill_chunk)) for c in running]
 
     def _evaluate(self, batch: list[tuple[Choice, list[int]]]) -> list[np.ndarray]:
         """Logits for every (choice, tokens) of a step: one backend call for the batch, plus

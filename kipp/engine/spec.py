@@ -15,8 +15,9 @@ while the acceptance it has seen pays for it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from kipp.errors import KippError
 
@@ -38,6 +39,8 @@ class PromptLookupDrafter:
     tokens), not O(sequence). One drafter serves one growing sequence; a sequence that is not
     an extension of the last one (shorter) rebuilds the index.
     """
+
+    name = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -89,6 +92,7 @@ class AdaptiveGate:
     sizes: tuple[int, ...] = (3, 7, 15)
     verify_base: float = 1.7
     verify_per_token: float = 0.07
+    draft_cost: float = 0.0  # a drafted token's own cost in plain steps (a draft model's evals)
     decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
     max_pause: int = 32
     successes: float = 3.0  # prior: p = 0.75, so a new sequence tries drafting at once
@@ -101,8 +105,9 @@ class AdaptiveGate:
     def __post_init__(self):
         if not self.sizes or min(self.sizes) < 1:
             raise SpecError(f"draft sizes must be positive, got {self.sizes}")
-        if self.verify_base <= 0 or self.verify_per_token < 0 or not 0 <= self.decay < 1:
-            raise SpecError("verify costs must be positive and decay within [0, 1)")
+        if (self.verify_base <= 0 or self.verify_per_token < 0 or self.draft_cost < 0
+                or not 0 <= self.decay < 1):
+            raise SpecError("verify and draft costs must be positive and decay within [0, 1)")
 
     @property
     def acceptance(self) -> float:
@@ -111,7 +116,8 @@ class AdaptiveGate:
     def expected_gain(self, k: int) -> float:
         """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0)."""
         p = min(self.acceptance, 1 - 1e-9)
-        return (1 - p ** (k + 1)) / (1 - p) / (self.verify_base + self.verify_per_token * (k + 1))
+        cost = self.verify_base + self.verify_per_token * (k + 1) + self.draft_cost * k
+        return (1 - p ** (k + 1)) / (1 - p) / cost
 
     def budget(self) -> int:
         """Draft tokens to verify this step; 0 means a plain step. Call once per step."""
@@ -152,10 +158,29 @@ class AdaptiveGate:
 class SpecConfig:
     """What `generate(..., speculative=SpecConfig(...))` drafts and gates with; each generation
     calls the factories for its own (stateful) drafter and gate. `speculative=True` is
-    SpecConfig(): prompt-lookup drafts, the CPU-calibrated adaptive gate."""
+    SpecConfig(): prompt-lookup drafts, the CPU-calibrated adaptive gate.
 
-    drafter: Callable[[], Drafter] = PromptLookupDrafter
+    `draft_model` (a kipp Model sharing the target's tokenizer) drafts by sampling it
+    (kipp.engine.draft); with a `drafter` too, that one is asked first and the model drafts
+    when it has nothing. A SpecConfig verifies sampled requests too, exactly
+    (kipp.text.sampling.Sampler.verify); `speculative=True` stays greedy only."""
+
+    drafter: Callable[[], Drafter] | None = PromptLookupDrafter
     gate: Callable[[], AdaptiveGate] = AdaptiveGate
+    draft_model: Any = None
+
+    @classmethod
+    def model(cls, draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
+        """Draft with `draft_model` (prompt lookup first with `lookup`), gated by an
+        AdaptiveGate that counts a draft token's cost (kipp.engine.draft.draft_cost) when the
+        `target` is given; `gate` overrides AdaptiveGate's fields."""
+        from kipp.engine import draft
+
+        if target is not None:
+            draft.check_draft_model(target, draft_model)
+            gate.setdefault("draft_cost", draft.draft_cost(target, draft_model))
+        return cls(drafter=PromptLookupDrafter if lookup else None,
+                   gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
 
 @dataclass
@@ -164,6 +189,7 @@ class SpecStats:
     accepted: int = 0  # of those, accepted
     verify_evals: int = 0  # evals that verified a draft
     plain_evals: int = 0  # one-token evals (no draft available or the gate said no)
+    by_drafter: dict = field(default_factory=dict)  # drafter name -> [drafted, accepted]
 
     @property
     def acceptance_rate(self) -> float:
@@ -172,3 +198,19 @@ class SpecStats:
     @property
     def evals(self) -> int:
         return self.verify_evals + self.plain_evals
+
+    def record(self, drafter: str, drafted: int, accepted: int) -> None:
+        self.verify_evals += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        counts = self.by_drafter.setdefault(drafter, [0, 0])
+        counts[0] += drafted
+        counts[1] += accepted
+
+    def add(self, other: SpecStats) -> None:
+        for key in ("drafted", "accepted", "verify_evals", "plain_evals"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        for name, (drafted, accepted) in other.by_drafter.items():
+            counts = self.by_drafter.setdefault(name, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted

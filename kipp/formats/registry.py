@@ -42,6 +42,9 @@ class Synthetic:
     seed: int
     init_std: float  # std of random q/k/v/gate/up weights; o/down: init_std / sqrt(2 * layers)
     shards: int = 1  # >1 writes model-0000N-of-0000M.safetensors plus an index, like big repos
+    # A draft for its seed's checkpoint: this fraction of the live tokens get another designed
+    # successor, so its greedy text agrees with that checkpoint's at about 1 - disagree
+    disagree: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,12 @@ _ENTRIES = [
     # The exact Qwen3-0.6B shapes, for benchmarks.
     Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v5-seed-4", "instruct",
                1024, 3072, 28, 16, 40960, 1e6, True, synthetic=Synthetic(seed=4, init_std=0.04)),
+    # Tiny drafts for the 0.6B shape (its seed, its designed rule but for a fraction of the
+    # live tokens), agreeing at about 95%, 70% and 30%: speculation's acceptance as a dial.
+    *(Checkpoint(f"kipp-synthetic/qwen3-0.6b-draft-{agree}", f"synthetic-v5-seed-4-agree-{agree}",
+                 "instruct", 256, 768, 2, 16, 40960, 1e6, True,
+                 synthetic=Synthetic(seed=4, init_std=0.08, disagree=(100 - agree) / 100))
+      for agree in (95, 70, 30)),
 ]
 
 REGISTRY: Mapping[str, Checkpoint] = MappingProxyType({c.id: c for c in _ENTRIES})

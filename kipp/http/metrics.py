@@ -67,6 +67,16 @@ class _SchedulerCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        # per drafter (lookup, model): the scheduler counts spec_drafted_<name>
+        for what, doc in (("drafted", "Draft tokens verified, per drafter"),
+                          ("accepted", "Draft tokens accepted, per drafter")):
+            family = CounterMetricFamily(f"kipp_spec_drafter_{what}_tokens", doc,
+                                         labels=["drafter"])
+            prefix = f"spec_{what}_"
+            for key, value in s.items():
+                if key.startswith(prefix):
+                    family.add_metric([key[len(prefix):]], value)
+            yield family
 
 
 class Metrics:

@@ -66,6 +66,11 @@ def successor(entry: Checkpoint) -> np.ndarray:
     order = rng(entry, "successor").permutation(N_LIVE)
     pi = np.empty_like(order)
     pi[order] = np.roll(order, -1)
+    disagree = entry.synthetic.disagree if entry.synthetic is not None else 0.0
+    if disagree:  # a draft: move some successors (no longer one cycle; the circuit is a table)
+        r = rng(entry, "disagree")
+        moved = r.choice(N_LIVE, round(disagree * N_LIVE), replace=False)
+        pi[moved] = (pi[moved] + r.integers(1, N_LIVE, moved.size)) % N_LIVE
     return pi
 
 

@@ -70,6 +70,8 @@ def synthetic_entry(checkpoint_id: str) -> Checkpoint:
         )
     entry = registry.get(checkpoint_id)
     expected = f"{GENERATOR_VERSION}-seed-{entry.synthetic.seed}"
+    if entry.synthetic.disagree:  # a draft: its agreement dial is part of what made the bytes
+        expected += f"-agree-{round(100 * (1 - entry.synthetic.disagree))}"
     if entry.revision != expected:
         # The revision names what produced the bytes; a mismatch means stale registry data.
         raise RegistryError(

@@ -267,6 +267,12 @@ def _draw_from(ids: np.ndarray, w: np.ndarray, u: float) -> int:
     return int(ids[j])
 
 
+def _draw_nonzero(w: np.ndarray, u: float) -> int:
+    """Inverse CDF over the ids of w (float64 [vocab]) with weight > 0, in ascending order."""
+    ids = np.flatnonzero(w)
+    return _draw_from(ids, w[ids], u)
+
+
 def _draw_full(w: np.ndarray, u: float) -> int:
     """Inverse CDF over every id of w (length a multiple of _BLOCK, padded with zeros)."""
     blocks = w.reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
@@ -292,13 +298,18 @@ class Sampler:
     temporaries every token cost more in page faults than the arithmetic.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int = VOCAB_SIZE, *, choice: int = 0):
+    def __init__(self, params: SamplingParams, vocab_size: int = VOCAB_SIZE, *, choice: int = 0,
+                 stream: int = 0):
         self.params = params
         self.vocab_size = n = _integer("vocab_size", vocab_size, 1)
         for token, _ in params.logit_bias:
             if token >= n:
                 raise SamplingError(f"logit_bias token id {token} is outside 0..{n - 1}")
-        seed = np.random.SeedSequence(params.seed, spawn_key=(_integer("choice", choice, 0),))
+        # stream 0 is the choice's own draws; a speculative draft model samples from stream 1,
+        # so drafting never shifts the draws of the choice's own sampler
+        key = (_integer("choice", choice, 0),) + ((_integer("stream", stream, 0),) if stream
+                                                   else ())
+        seed = np.random.SeedSequence(params.seed, spawn_key=key)
         self.rng = np.random.default_rng(seed)
         self._logits = np.empty(n, dtype=np.float32)
         self._weights = np.zeros(-(-n // _BLOCK) * _BLOCK, dtype=np.float32)  # tail stays 0
@@ -335,6 +346,65 @@ class Sampler:
         8. renormalise and draw by inverse CDF over the kept ids in ascending id order, using
            exactly one uniform from the sampler's own RNG.
         """
+        x, ids, w = self._weights_for(logits, recent_tokens, allowed)
+        if w is None:
+            return int(np.argmax(x))
+        u = self.rng.random()
+        return _draw_full(self._weights, u) if ids is None else _draw_from(ids, w, u)
+
+    def probabilities(self, logits: np.ndarray, recent_tokens: Sequence[int] = (),
+                      allowed: np.ndarray | None = None) -> np.ndarray:
+        """The distribution `sample` draws from (steps 1-8 without the draw), float64 [vocab]:
+        one-hot at the argmax when greedy. Draws nothing from the RNG."""
+        x, ids, w = self._weights_for(logits, recent_tokens, allowed)
+        out = np.zeros(x.size, dtype=np.float64)
+        if w is None:
+            out[int(np.argmax(x))] = 1.0
+            return out
+        if ids is None:
+            out[:] = w
+        else:
+            out[ids] = w
+        out /= out.sum()
+        return out
+
+    def draw(self, probabilities: np.ndarray) -> int:
+        """One id from a distribution over the vocab (float64, sums to 1), one uniform."""
+        return _draw_nonzero(probabilities, self.rng.random())
+
+    def verify(self, logits: np.ndarray, recent_tokens: Sequence[int], allowed: np.ndarray | None,
+               token: int, draft: np.ndarray | None = None) -> int:
+        """The token at a drafted position, distributed exactly as `sample`'s (speculative
+        sampling, Leviathan et al. 2023 / Chen et al. 2023).
+
+        `token` was drawn from `draft` (float64 [vocab]; None: a deterministic drafter, all
+        mass on `token`). With p = probabilities(logits, ...) and q = draft: keep `token` with
+        probability min(1, p[token] / q[token]), else draw from max(0, p - q), renormalised.
+        The result equals `token` exactly when it is kept. Greedy: the argmax, no draw."""
+        x, ids, w = self._weights_for(logits, recent_tokens, allowed)
+        if w is None:
+            return int(np.argmax(x))
+        p = np.zeros(x.size, dtype=np.float64)
+        if ids is None:
+            p[:] = w
+        else:
+            p[ids] = w
+        p /= p.sum()
+        q_token = 1.0 if draft is None else float(draft[token])
+        if self.rng.random() * q_token < p[token]:  # u < p/q, without dividing by q
+            return int(token)
+        if draft is None:
+            residual = p.copy()
+            residual[token] = 0.0
+        else:
+            residual = np.maximum(p - draft, 0.0)
+        if not residual.sum() > 0.0:  # only through rounding, where p and q agree: p itself
+            residual = p
+        return _draw_nonzero(residual, self.rng.random())
+
+    def _weights_for(self, logits, recent_tokens, allowed):
+        """Steps 1-7: (x, ids, w): x the adjusted float32 logits; w None when greedy, else the
+        kept weights over ids (None: every id, w then a view of the scratch weights)."""
         x = _check_logits(logits, self.vocab_size)
         p = self.params
         if p.logit_bias or p.has_penalties or allowed is not None:  # a private copy
@@ -345,9 +415,16 @@ class Sampler:
                 _mask_in_place(x, allowed, self._mask)
         m = np.float32(_max_finite(x))
         if p.is_greedy:
-            return int(np.argmax(x))
+            return x, None, None
         t = np.float32(max(p.temperature, _MIN_TEMPERATURE))
-        if 0 < p.top_k < x.size:
+        if 0 < p.top_k < x.size and allowed is not None:
+            # partitioning a vocab of mostly -inf is ~15x slower: select among the admitted ids
+            # only (the barred ones would carry weight 0, never drawn)
+            admitted = np.flatnonzero(allowed)
+            ids = admitted if admitted.size <= p.top_k else \
+                admitted[_top_k_ids(x[admitted], p.top_k)]
+            w = np.exp((x[ids] - m) / t)
+        elif 0 < p.top_k < x.size:
             ids = _top_k_ids(x, p.top_k)
             w = np.exp((x[ids] - m) / t)
         else:
@@ -357,8 +434,7 @@ class Sampler:
             np.divide(w, t, out=w)
             np.exp(w, out=w)
         self._truncate(w)
-        u = self.rng.random()
-        return _draw_full(self._weights, u) if ids is None else _draw_from(ids, w, u)
+        return x, ids, w
 
     def _truncate(self, w: np.ndarray) -> None:
         """Steps 6 and 7: zero the weights top_p and min_p drop (w's top weight is exactly 1)."""

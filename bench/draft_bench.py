@@ -1,0 +1,186 @@
+"""Speculative decoding with a draft model: speed-up over plain decode at each acceptance dial.
+
+    .venv/bin/python -m bench spec                      # the record run: JAX, the 0.6B shape
+    .venv/bin/python -m bench spec --target kipp-synthetic/qwen3-tiny \\
+        --agree 95 --tokens 16 --runs 1 --warmup 0      # a smoke run
+
+The target is the 0.6B-shaped synthetic checkpoint; its drafts are the tiny synthetic
+checkpoints built to agree with its greedy text at about 95%, 70% and 30%
+(kipp-synthetic/qwen3-0.6b-draft-N: its seed's designed rule, a fraction of the live tokens
+moved). Prompts are three live tokens, so the target walks its designed chain. Each arm decodes
+`--tokens` tokens per stream, greedy and at temperature 0.7, 1 stream and 8, plain and with the
+draft, interleaved per round after `--warmup` rounds that compile every shape. The value is
+decode tok/s (generated tokens over the wall time from the last prompt's logits to the end);
+the speed-up is the median over rounds of spec / plain. Greedy spec runs must emit exactly the
+plain run's tokens, or the command fails.
+
+Beside the measurement, `predict` gives the bandwidth model's speed-up for Qwen3-0.6B drafting
+for 8B and 32B (BF16, batch 1) on an H200 and an M-series Mac: a step reads the weights once
+(bytes / bandwidth, or the verify's FLOPs at peak when that is longer), a draft of k tokens costs
+k draft steps, and it yields E(k) = (1 - a^(k+1)) / (1 - a) tokens at acceptance a; k is the
+best of the gate's sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import provenance, records, stats
+
+TARGET = "kipp-synthetic/qwen3-0.6b-shape"
+AGREE = (95, 70, 30)
+# Bandwidth and BF16 peak of the machines the prediction is for (vendor figures).
+MACHINES = {"H200 SXM": (4.8e12, 989e12), "M4 Max (546 GB/s)": (546e9, 34e12)}
+SIZES = (3, 7, 15)
+GOALS = {"speedup_at_70_single": 1.8, "floor": 0.95}
+
+
+def prompts(model, streams: int, seed: int) -> list[list[int]]:
+    from kipp.synthetic.writer import live_token_ids
+
+    rng = np.random.default_rng(seed)
+    live = live_token_ids(model.entry)
+    return [[int(t) for t in rng.choice(live, 3, replace=False)] for _ in range(streams)]
+
+
+def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) -> dict:
+    """One batch of streams to the end: decode tok/s, tokens, acceptance."""
+    from kipp.engine.scheduler import Done, Request, Scheduler
+    from kipp.text.sampling import SamplingParams
+
+    scheduler = Scheduler(model, max_batch=max(8, len(prompts_)), speculative=spec or False)
+    tickets = [scheduler.submit(Request(tuple(p), tokens, sampling=SamplingParams(
+        temperature=temperature, seed=seed + i))) for i, p in enumerate(prompts_)]
+    while any(r.prompt_done_at is None for r in scheduler._running) or scheduler._fifo:
+        scheduler.step()
+    start = time.perf_counter()
+    scheduler.run_until_idle()
+    seconds = time.perf_counter() - start
+    ids, drafted, accepted = [], 0, 0
+    for ticket in tickets:
+        events = list(ticket)
+        ids.append([t for e in events if hasattr(e, "tokens") for t in e.tokens])
+        done = events[-1]
+        if isinstance(done, Done) and done.spec is not None:
+            drafted += done.spec.drafted
+            accepted += done.spec.accepted
+    generated = sum(len(i) for i in ids) - len(ids)  # the first token came with the prompt
+    return {"tok_s": stats.rate(generated, seconds), "seconds": seconds, "ids": ids,
+            "drafted": drafted, "accepted": accepted}
+
+
+def measure(target, drafts: dict, args) -> dict:
+    from kipp.engine.spec import SpecConfig
+
+    results = {}
+    for r in range(args.warmup + args.runs):
+        for agree, draft in drafts.items():
+            spec = SpecConfig.model(draft, target)
+            for temperature in (0.0, 0.7):
+                for streams in args.streams:
+                    ps = prompts(target, streams, seed=r)
+                    for mode in ("plain", "spec"):
+                        run = decode(target, ps, args.tokens, temperature,
+                                     spec if mode == "spec" else None, seed=100 * r)
+                        key = (agree, temperature, streams, mode)
+                        results.setdefault(key, []).append((r >= args.warmup, run))
+                        print(f"  round {r} agree {agree} T={temperature} x{streams} {mode:5} "
+                              f"{run['tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+    return results
+
+
+def summarize(results: dict, args) -> list[dict]:
+    rows = []
+    for (agree, temperature, streams, mode), runs in results.items():
+        if mode != "spec":
+            continue
+        plain = [run for kept, run in results[agree, temperature, streams, "plain"] if kept]
+        spec = [run for kept, run in runs if kept]
+        ratios = [s["tok_s"] / p["tok_s"] for p, s in zip(plain, spec)]
+        drafted = sum(s["drafted"] for s in spec)
+        rows.append({"agree": agree, "temperature": temperature, "streams": streams,
+                     "speedup": stats.summarize(ratios), "ratios": ratios,
+                     "plain_tok_s": stats.median([p["tok_s"] for p in plain]),
+                     "spec_tok_s": stats.median([s["tok_s"] for s in spec]),
+                     "acceptance_rate": sum(s["accepted"] for s in spec) / drafted
+                     if drafted else 0.0,
+                     "identical": temperature > 0 or all(p["ids"] == s["ids"]
+                                                         for p, s in zip(plain, spec))})
+    return rows
+
+
+def predict(acceptances=(0.95, 0.7, 0.3), draft="Qwen/Qwen3-0.6B",
+            targets=("Qwen/Qwen3-8B", "Qwen/Qwen3-32B")) -> list[dict]:
+    """The bandwidth model's batch-1 BF16 speed-up (module docstring)."""
+    from kipp.formats import registry
+
+    d = 2 * registry.get(draft).parameter_count
+    out = []
+    for machine, (bandwidth, flops) in MACHINES.items():
+        for target in targets:
+            t = 2 * registry.get(target).parameter_count
+            step, draft_step = t / bandwidth, d / bandwidth
+            for a in acceptances:
+                def gain(k):
+                    verify = max(step, 2 * (t / 2) * (k + 1) / flops)
+                    return (1 - a ** (k + 1)) / (1 - a) * step / (verify + k * draft_step)
+                k = max(SIZES, key=gain)
+                out.append({"machine": machine, "target": target, "draft": draft,
+                            "acceptance": a, "k": k, "speedup": max(1.0, gain(k))})
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default=TARGET)
+    parser.add_argument("--agree", type=int, nargs="+", default=list(AGREE), choices=AGREE)
+    parser.add_argument("--backend", default="jax", choices=("jax", "reference"))
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--results", type=Path, default=records.RESULTS)
+    args = parser.parse_args(argv)
+
+    import kipp
+
+    def load(checkpoint):
+        return kipp.load(checkpoint, backend=args.backend, kv_tokens=4096, progress=False)
+
+    target = load(args.target)
+    drafts = {a: load(f"kipp-synthetic/qwen3-0.6b-draft-{a}") for a in args.agree}
+    start = time.perf_counter()
+    results = measure(target, drafts, args)
+    rows = summarize(results, args)
+    predicted = predict()
+    command = "python -m bench spec " + " ".join(shlex.quote(a) for a in
+                                                 (argv if argv is not None else sys.argv[1:]))
+    record = records.new(
+        "throughput", command, records.checkpoint_block(args.target), provenance.collect(),
+        workload={"name": "spec-draft", "max_tokens": args.tokens, "streams": args.streams,
+                  "drafts": {a: f"kipp-synthetic/qwen3-0.6b-draft-{a}" for a in args.agree},
+                  "texts": "see bench/draft_bench.py's docstring"},
+        protocol={"warmup": args.warmup, "runs": args.runs, "interleaved": True,
+                  "seconds": time.perf_counter() - start},
+        arms=[], speedups=rows, predicted=predicted, goals=GOALS)
+    path = records.write(record, args.results)
+    for row in rows:
+        s = row["speedup"]
+        print(f"agree {row['agree']:2d}% T={row['temperature']} x{row['streams']}: speed-up "
+              f"{s['median']:.2f}x (MAD {s['mad']:.2f}), acceptance {row['acceptance_rate']:.0%}"
+              f", identical {row['identical']}")
+    for p in predicted:
+        print(f"predicted {p['machine']:18s} {p['draft']} -> {p['target']}: acceptance "
+              f"{p['acceptance']:.0%}, k={p['k']}: {p['speedup']:.2f}x")
+    print(path)
+    return 0 if all(row["identical"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""A draft model as a drafter: a small model of the same family guesses the next tokens.
+
+    model = kipp.load("Qwen/Qwen3-8B", draft="Qwen/Qwen3-0.6B")
+    model.generate(prompt, 256, temperature=0.7, speculative=True)   # the same distribution
+
+Each choice gets a ModelDrafter with a session of its own on the draft model. Before a step the
+drafter brings that session up to the choice's tokens (keeping the prefix they share, so the
+draft's KV follows the target's accepted tokens and rejected ones are rolled back), then draws
+up to k tokens one draft eval at a time, with the choice's own sampling settings on a separate
+RNG stream and the grammar's mask, and keeps each distribution q it drew from: the target's
+verify (kipp.text.sampling.Sampler.verify) needs q to keep the output exactly plain sampling's.
+`draft_many` steps every choice's drafter in lockstep, one draft-model eval per draft position
+for the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+
+from kipp.engine.spec import SpecError
+from kipp.text.grammar import GrammarError, Matcher
+from kipp.text.sampling import Sampler, SamplingParams
+
+log = logging.getLogger("kipp.engine.draft")
+
+
+def check_draft_model(target, draft) -> None:
+    """A SpecError unless `draft` can draft for `target`: same vocabulary, same tokenizer."""
+    if draft is target:
+        return
+    # the ids and their BPE must agree; the chat template and end token may differ (a base
+    # model drafting for an instruct one), as the target's stop ids end the text
+    a, b = draft.tokenizer.data, target.tokenizer.data
+    if (a.tokens, a.token_types, a.merges) != (b.tokens, b.token_types, b.merges):
+        raise SpecError(f"draft model {draft.entry.id} has a different tokenizer from "
+                        f"{target.entry.id}: a draft must share the target's vocabulary and "
+                        f"merges exactly")
+    if type(draft.backend) is not type(target.backend):
+        raise SpecError(f"draft model {draft.entry.id} runs on {draft.backend.describe()}, the "
+                        f"target on {target.backend.describe()}: load both on one backend")
+
+
+def draft_cost(target, draft) -> float:
+    """A draft token's cost in target steps: decode reads the weights, so their size ratio."""
+    return draft.artifact.path.stat().st_size / target.artifact.path.stat().st_size
+
+
+class ModelDrafter:
+    """Drafts for one choice by sampling the draft model (module docstring)."""
+
+    name = "model"
+
+    def __init__(self, model, params: SamplingParams, choice: int, capacity: int,
+                 stop_ids: Sequence[int] = ()):
+        self.model = model
+        self.sampler = Sampler(params, choice=choice, stream=1)
+        self.greedy = params.is_greedy
+        self.capacity = min(capacity, model.entry.context_length)
+        self.stop_ids = frozenset(stop_ids)
+        self.session = None
+        self.isolated = False  # set by the choice: evaluate alone (a seeded batch-variant run)
+        self.failed = False  # the draft pool ran out or an eval failed: no more drafts
+        self._reset_draft()
+
+    def _reset_draft(self) -> None:
+        self.tokens: list[int] = []  # the draft so far
+        self.qs: list[np.ndarray] | None = None  # the distribution each draft token came from
+        self._base: list[int] = []
+        self._limit = 0
+        self._matcher: Matcher | None = None
+        self.feed: list[int] | None = None  # tokens the next draft eval appends
+
+    def begin(self, tokens: Sequence[int], limit: int, matcher: Matcher | None) -> bool:
+        """Start a draft of up to `limit` tokens after `tokens`; True when a draft eval is due."""
+        self._reset_draft()
+        if self.failed or limit < 1:
+            return False
+        self._base, self._limit = list(tokens), limit
+        self._matcher = matcher.copy() if matcher is not None else None
+        self.qs = None if self.greedy else []
+        try:
+            self.feed = self._sync()
+        except Exception as e:  # the draft pool is full: plain steps from here on
+            self._fail(e)
+            return False
+        return True
+
+    def advance(self, rows: np.ndarray) -> bool:
+        """Draw the next draft token from the draft eval's row; True when another eval is due."""
+        history = self._base + self.tokens
+        allowed = self._matcher.allowed() if self._matcher is not None else None
+        if self.greedy:
+            token = self.sampler.sample(rows[-1], history, allowed)
+        else:
+            q = self.sampler.probabilities(rows[-1], history, allowed)
+            token = self.sampler.draw(q)
+            self.qs.append(q)
+        self.tokens.append(token)
+        if self._matcher is not None and token not in self.stop_ids:
+            try:
+                self._matcher.consume(token)
+            except GrammarError:  # cannot happen under the mask; stop drafting here
+                self.feed = None
+                return False
+        more = (len(self.tokens) < self._limit and token not in self.stop_ids
+                and len(self._base) + len(self.tokens) < self.capacity
+                and not (self._matcher is not None and self._matcher.complete))
+        self.feed = [token] if more else None
+        return more
+
+    def draft(self, tokens: Sequence[int], limit: int, matcher: Matcher | None = None
+              ) -> list[int]:
+        """The draft for one choice alone (draft_many does the batch)."""
+        draft_many([self], [(tokens, limit, matcher)])
+        return self.tokens
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close(publish=True)
+            self.session = None
+
+    def _sync(self) -> list[int]:
+        """Keep the session's prefix shared with the base; the tokens still to evaluate."""
+        base = self._base
+        if self.session is None:
+            self.session = self.model.session(self.capacity)
+            self.session.match_prefix(base)
+        have = self.session.tokens
+        keep = 0
+        limit = min(len(have), len(base) - 1)  # at least one token to evaluate, for its row
+        while keep < limit and have[keep] == base[keep]:
+            keep += 1
+        if keep < len(have):
+            self.session.truncate(keep)
+        return base[keep:]
+
+    def _fail(self, error: BaseException) -> None:
+        log.warning("draft model %s stops drafting: %s", self.model.entry.id, error)
+        self.failed = True
+        self._reset_draft()
+        if self.session is not None:
+            self.session.reset()
+
+
+def draft_many(drafters: Sequence[ModelDrafter],
+               starts: Sequence[tuple[Sequence[int], int, Matcher | None]]) -> None:
+    """Draft for every drafter (each its (tokens, limit, matcher)) in lockstep: each draft
+    position is one draft-model eval over every drafter still drafting (an isolated one alone).
+    A drafter whose eval fails drafts nothing, now or later; the others go on."""
+    active = [d for d, (tokens, limit, matcher) in zip(drafters, starts)
+              if d.begin(tokens, limit, matcher)]
+    while active:
+        calls = defaultdict(list)
+        for d in active:
+            calls[(id(d.model), id(d) if d.isolated else 0)].append(d)
+        active = []
+        for group in calls.values():
+            model = group[0].model
+            try:
+                results = model.eval_batch([(d.session, d.feed, 1) for d in group])
+            except Exception as e:  # sessions are unchanged (eval_batch)
+                for d in group:
+                    d._fail(e)
+                continue
+            active += [d for d, rows in zip(group, results) if d.advance(rows)]

@@ -1,0 +1,237 @@
+"""Speculative decoding with a draft model (kipp.engine.draft): greedy output is plain greedy's
+token for token, alone and batched, across 32-token block boundaries and under a grammar; the
+draft's KV follows the target's accepted tokens; seeded sampled runs reproduce.
+
+Drafts: the target itself (every greedy draft token right, so any slip in the draft's KV shows
+as acceptance below 1), and qwen3-tiny-base, another seed's designed rule (drafts almost always
+wrong: every verify rejects and rolls back). The distribution of sampled output is
+tests/test_draft_distribution.py's.
+"""
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+from kipp.engine.draft import ModelDrafter, check_draft_model
+from kipp.engine.scheduler import Delta, Request, Scheduler
+from kipp.engine.spec import SpecConfig, SpecError
+from kipp.model import GenerationError, load
+from kipp.text.sampling import SamplingParams
+
+TINY, BASE = "kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base"
+
+
+class FixedGate:
+    """Always drafts `k` tokens, so every step verifies."""
+
+    def __init__(self, k=7):
+        self.k = k
+
+    def budget(self):
+        return self.k
+
+    def update(self, drafted, accepted):
+        pass
+
+
+def _config(draft, k=7):
+    return SpecConfig(drafter=None, gate=lambda: FixedGate(k), draft_model=draft)
+
+
+def _prompt(model, n=29, seed=4):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 151_643, n)]
+
+
+def _run(model, prompt, steps, **options):
+    generation = model.generate(prompt, steps, stream=True, **options)
+    text = "".join(generation)
+    return text, generation.stats
+
+
+@pytest.fixture(scope="module")
+def pair(models, artifacts):
+    """backend -> (target tiny, base draft) on that backend (JAX and MLX when importable)."""
+    loaded = {"reference": (models(TINY), models(BASE))}
+
+    def get(name):
+        if name not in loaded:
+            pytest.importorskip({"jax": "jax", "mlx": "mlx.core"}[name])
+            loaded[name] = tuple(load(artifacts(c), backend=name, kv_tokens=1024,
+                                      progress=False) for c in (TINY, BASE))
+        return loaded[name]
+
+    return get
+
+
+@pytest.mark.slow  # minutes: every verify asks the reference for 8 logits rows
+@pytest.mark.parametrize("backend", ["reference", "jax", "mlx"])
+def test_greedy_with_a_draft_model_equals_plain_greedy(pair, backend):
+    target, base = pair(backend)
+    for prompt in (_prompt(target), target.tokenizer.encode("The cat sat on the mat. " * 3)):
+        _, plain = _run(target, prompt, 20, temperature=0)
+        for draft in (target, base):
+            _, spec = _run(target, prompt, 20, temperature=0, speculative=_config(draft))
+            assert spec.tokens == plain.tokens, (backend, draft.entry.id)
+            assert spec.spec.by_drafter["model"] == [spec.spec.drafted, spec.spec.accepted]
+            if draft is target:  # its own drafts: all right, so its KV followed the target's
+                assert spec.spec.acceptance_rate == 1.0 and spec.decode_evals <= 4
+            else:
+                assert spec.spec.accepted < spec.spec.drafted
+    target.pool.check()
+    base.pool.check()
+
+
+@pytest.mark.slow  # minutes: every verify asks the reference for 8 logits rows
+@pytest.mark.parametrize("k", [2, 3, 7])
+def test_draft_and_rollback_across_block_boundaries(pair, k):
+    """A 29-token prompt and k-token drafts: verifies and rollbacks cross positions 32 and 64,
+    on the target and on the draft's own session."""
+    target, base = pair("reference")
+    prompt = _prompt(target)
+    _, plain = _run(target, prompt, 44, temperature=0)
+    for draft in (target, base):
+        _, spec = _run(target, prompt, 44, temperature=0, speculative=_config(draft, k))
+        assert spec.tokens == plain.tokens
+        if draft is target:
+            assert spec.spec.acceptance_rate == 1.0
+    target.pool.check()
+    base.pool.check()
+
+
+@pytest.mark.slow  # minutes: every verify asks the reference for 8 logits rows
+def test_batched_greedy_with_a_draft_model(pair):
+    """Four requests (one with n=2) drafting in one batch: each equals its plain run."""
+    target, base = pair("reference")
+    prompts = [_prompt(target, n, seed) for n, seed in ((29, 1), (5, 2), (40, 3), (31, 4))]
+    plains = [_run(target, p, 18, temperature=0)[1].tokens for p in prompts]
+    for draft in (target, base):
+        scheduler = Scheduler(target, max_batch=8, speculative=_config(draft))
+        tickets = [scheduler.submit(Request(tuple(p), 18, n=2 if i == 1 else 1,
+                                            sampling=SamplingParams(temperature=0)))
+                   for i, p in enumerate(prompts)]
+        scheduler.step()
+        assert scheduler.stats()["active_sequences"] == 5  # all in one batch
+        scheduler.run_until_idle()
+        for ticket, want in zip(tickets, plains):
+            events = list(ticket)
+            done = events[-1]
+            ids = {}
+            for e in events:
+                if isinstance(e, Delta):
+                    ids.setdefault(e.choice, []).extend(e.tokens)
+            assert len(ids) in (1, 2) and all(got == want for got in ids.values())
+            assert done.spec.drafted > 0
+        counters = scheduler.counters
+        assert counters["spec_drafted_model"] == counters["spec_drafted"] > 0
+    target.pool.check()
+    base.pool.check()
+
+
+def test_rejected_drafts_roll_back_across_a_block_boundary(pair):
+    """The default suite's gate (the slow tests above are the full matrix): a 29-token prompt,
+    3-token drafts that are rejected, rollbacks around position 32; output is plain greedy's."""
+    target, base = pair("reference")
+    prompt = _prompt(target)
+    _, plain = _run(target, prompt, 10, temperature=0)
+    _, spec = _run(target, prompt, 10, temperature=0, speculative=_config(base, 3))
+    assert spec.spec.accepted < spec.spec.drafted and spec.spec.verify_evals >= 3
+    assert spec.tokens == plain.tokens
+    target.pool.check()
+    base.pool.check()
+
+
+def test_greedy_with_a_grammar(pair):
+    target, base = pair("reference")
+    prompt = target.tokenizer.encode("Answer:")
+    regex = "(cat|dog|the|a| ){3,12}"
+    _, plain = _run(target, prompt, 24, temperature=0, regex=regex)
+    for draft in (target, base):
+        _, spec = _run(target, prompt, 24, temperature=0, regex=regex,
+                       speculative=_config(draft))
+        assert spec.tokens == plain.tokens and spec.finish_reason == plain.finish_reason
+        assert spec.spec.drafted > 0
+        if draft is target:
+            assert spec.spec.acceptance_rate == 1.0
+
+
+def test_seeded_sampling_reproduces_and_the_draft_follows(pair):
+    target, base = pair("reference")
+    prompt = target.tokenizer.encode("The cat sat on the mat and the dog")
+    # hot: the tiny model's distribution is nearly one token at T=1, so seeds would agree
+    options = dict(temperature=5.0, top_k=12, seed=7, speculative=_config(base, 3))
+    _, first = _run(target, prompt, 16, **options)
+    _, again = _run(target, prompt, 16, **options)
+    assert first.tokens == again.tokens and len(first.tokens) == 16
+    assert first.spec.drafted > 0
+    _, other = _run(target, prompt, 16, **dict(options, seed=8))
+    assert other.tokens != first.tokens
+    target.pool.check()
+    base.pool.check()
+
+
+def test_the_draft_session_holds_the_accepted_prefix(pair):
+    """After a draft, the draft session holds the choice's tokens and the draft but its last
+    token; the next draft keeps what the target accepted and rolls the rest back."""
+    target, _ = pair("reference")
+    prompt = _prompt(target)
+    drafter = ModelDrafter(target, SamplingParams(temperature=0), 0, 200)
+    first = drafter.draft(prompt, 5)
+    assert drafter.session.tokens == prompt + first[:-1]
+    accepted = prompt + first[:2] + [(first[2] + 1) % 151_643]  # two kept, then another pick
+    drafter.draft(accepted, 3)
+    assert drafter.session.tokens[:len(accepted)] == accepted
+    drafter.close()
+    target.pool.check()
+
+
+def test_load_with_a_draft_and_speculative_true(artifacts):
+    target = load(artifacts(TINY), backend="reference", kv_tokens=1024, progress=False,
+                  draft=artifacts(TINY), draft_tokens=4)
+    assert target.draft is not None and target.draft_spec.gate().sizes == (3, 4)
+    prompt = _prompt(target)
+    _, plain = _run(target, prompt, 12, temperature=0)
+    _, spec = _run(target, prompt, 12, temperature=0, speculative=True)
+    assert spec.tokens == plain.tokens and spec.spec.by_drafter["model"][0] > 0
+    _, sampled = _run(target, prompt, 12, temperature=0.7, seed=1, speculative=True)
+    assert len(sampled.tokens) == 12
+    with pytest.raises(Exception, match="draft_tokens"):
+        load(artifacts(TINY), backend="reference", progress=False, draft_tokens=4)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(models):
+    target = models(TINY)
+    data = target.tokenizer.data
+    other = dataclasses.replace(data, tokens=data.tokens[:-1] + ("[OTHER]",))
+    fake = types.SimpleNamespace(entry=types.SimpleNamespace(id="other/model"),
+                                 tokenizer=types.SimpleNamespace(data=other),
+                                 backend=target.backend)
+    with pytest.raises(SpecError, match="different tokenizer"):
+        check_draft_model(target, fake)
+    with pytest.raises(GenerationError, match="different tokenizer"):
+        target.generate("Hi", 4, temperature=0, speculative=_config(fake))
+    target.pool.check()
+
+
+@pytest.mark.parametrize("agree", [95, 70, 30])
+def test_the_synthetic_drafts_agree_with_the_0_6b_shape_at_their_dial(models, agree):
+    """The drafts follow their own designed rule (the weights implement it), and that rule
+    predicts the 0.6B shape's greedy text at about the dialled rate."""
+    from kipp.formats import registry
+    from kipp.synthetic.writer import designed_rule, live_token_ids
+
+    draft = models(f"kipp-synthetic/qwen3-0.6b-draft-{agree}")
+    target_rule = designed_rule(registry.get("kipp-synthetic/qwen3-0.6b-shape"))
+    draft_rule = designed_rule(draft.entry)
+    rng = np.random.default_rng(agree)
+    right = total = 0
+    for _ in range(40):
+        head = [int(t) for t in rng.choice(live_token_ids(draft.entry), 3, replace=False)]
+        text = head + target_rule.continuation(head, 48)
+        right += sum(draft_rule.next(text[:i]) == text[i] for i in range(3, len(text)))
+        total += len(text) - 3
+    assert abs(right / total - agree / 100) < 0.08
+    head = [int(t) for t in live_token_ids(draft.entry)[[3, 17, 40]]]
+    _, stats = _run(draft, head, 24, temperature=0)
+    assert stats.tokens == draft_rule.continuation(head, 24)
