@@ -26,7 +26,7 @@ import itertools
 import struct
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kipp.backend import KV_BLOCK
 from kipp.errors import KippError
@@ -110,6 +110,9 @@ class BlockPool:
         self._reserved = 0
         self.hits = self.hit_tokens = self.published = self.evictions = 0
         self.tail_hits = 0
+        # called with [(block, digest, tokens)] of each publish's new full blocks, while they
+        # are still held (kipp.engine.kv_disk writes them behind)
+        self.on_publish: Callable[[list[tuple[int, bytes, tuple[int, ...]]]], None] | None = None
 
     num_blocks = property(lambda self: self._num_blocks)
     num_free = property(lambda self: len(self._free))
@@ -184,7 +187,7 @@ class BlockPool:
         full = len(tokens) // KV_BLOCK
         if len(block_table) < full:
             raise ValueError(f"block table has {len(block_table)} blocks, tokens fill {full}")
-        digest, parent, new = None, None, 0
+        digest, parent, new, fresh = None, None, 0, []
         for i in range(full):
             b = block_table[i]
             if self._ref[b] <= 0:
@@ -204,11 +207,14 @@ class BlockPool:
                 self._by_hash[digest] = owner = b
                 self._children.setdefault(parent, set()).add(b)
                 new += 1
+                fresh.append((b, digest, chunk))
             parent = self._meta[owner].serial
         else:
             if tail and len(tokens) > full * KV_BLOCK:
                 self._publish_tail(tokens[full * KV_BLOCK:], block_table[full], parent)
         self.published += new
+        if fresh and self.on_publish is not None:
+            self.on_publish(fresh)
         return new
 
     def _publish_tail(self, tokens: Sequence[int], b: int, parent: int | None) -> None:
