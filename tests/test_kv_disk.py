@@ -372,18 +372,19 @@ def test_bad_settings_are_refused(tiny, tmp_path):
         model(tiny, tmp_path, mib=-1)
 
 
-def test_jax_restores_bitwise(artifacts, tmp_path):
-    pytest.importorskip("jax")
+@pytest.mark.parametrize("backend", ["jax", "mlx"])
+def test_a_compiled_backend_restores_bitwise(artifacts, tmp_path, backend):
+    pytest.importorskip(backend)
     tiny = artifacts(TINY)
-    saved(tiny, tmp_path, backend="jax")
-    m = model(tiny, tmp_path, backend="jax")
+    saved(tiny, tmp_path, backend=backend)
+    m = model(tiny, tmp_path, backend=backend)
     first, second, n = run(m, restored=FULL * KV_BLOCK)
-    assert same((first, second), uncached(tiny, n, backend="jax"))
+    assert same((first, second), uncached(tiny, n, backend=backend))
     with m.session() as s:  # the restored KV is bitwise the saved bytes
         s.match_prefix(PROMPT)
         payloads = m.backend.read_blocks(s.block_table[:FULL])()
     for i, payload in enumerate(payloads):
         data = block_file(m.kv_disk.tier.dir, i).read_bytes()
         assert payload == data[kv_disk._HEADER.size:kv_disk._HEADER.size + len(payload)]
-    # the reference's blocks live in another namespace: never read by the jax backend
+    # the reference's blocks live in another namespace: never read by this backend
     assert model(tiny, tmp_path).kv_disk.tier.dir != m.kv_disk.tier.dir
