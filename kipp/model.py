@@ -208,7 +208,8 @@ class Model:
     def cache_prompt(self, prompt: str | Sequence[int]) -> int:
         """Evaluate `prompt` (text or token ids) and publish its KV blocks now, so a later
         request (in this process, or after a restart with the disk tier) starting with it
-        skips their prefill. Returns the prompt's tokens whose KV is now cached."""
+        skips their prefill. Returns the prompt's tokens whose KV is now cached (all of them: the
+        full blocks, and the partial last block for a later prompt that continues it)."""
         ids = self.prompt_ids(prompt)
         with self.session(len(ids)) as s:
             s.match_prefix(ids)
@@ -216,7 +217,7 @@ class Model:
                 s.eval(ids[s.length:])
         if self.kv_disk is not None:
             self.kv_disk.tier.flush()
-        return len(ids) // KV_BLOCK * KV_BLOCK
+        return len(ids)
 
     def _display_rows(self) -> list[tuple[str, str]]:
         pool = self.pool

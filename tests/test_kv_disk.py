@@ -25,7 +25,10 @@ from kipp.engine import kv_disk
 
 TINY = "kipp-synthetic/qwen3-tiny"
 PROMPT = [int(t) for t in np.random.default_rng(29).integers(1, 5000, 4 * KV_BLOCK + 9)]
-FULL = len(PROMPT) // KV_BLOCK  # 4 full blocks; the last 9 tokens are always evaluated
+FULL = len(PROMPT) // KV_BLOCK  # 4 full blocks, then 9 tokens in a partial block
+TAIL = len(PROMPT) - 1 - FULL * KV_BLOCK  # of those, a tail on disk gives all but the last
+RESTORED = FULL * KV_BLOCK + TAIL
+FILES = FULL + 1  # a saved run's block files: the full blocks and its tail
 
 
 _TOKENIZERS: dict = {}
@@ -85,7 +88,7 @@ def saved(path, folder, backend="reference", **kw):
     m = model(path, folder, backend, **kw)
     run(m)
     m.kv_disk.tier.flush()
-    assert m.kv_disk.stats()["writes"] == FULL
+    assert m.kv_disk.stats()["writes"] == FILES
     return sorted(m.kv_disk.tier.dir.glob("*" + kv_disk.SUFFIX), key=os.path.getmtime)
 
 
@@ -111,16 +114,16 @@ def tiny(artifacts):
 def test_restart_restores_the_prefix_bitwise(tiny, tmp_path):
     saved(tiny, tmp_path)
     m = model(tiny, tmp_path)
-    first, second, n = run(m, restored=FULL * KV_BLOCK)
+    first, second, n = run(m, restored=RESTORED)
     assert same((first, second), uncached(tiny, n))
     assert same((first, second), uncached(tiny, 0))  # the reference: any split, same bits
     stats = m.kv_disk.stats()
-    assert stats["hits"] == FULL and stats["bad_blocks"] == 0
-    assert stats["restored_tokens"] == FULL * KV_BLOCK
-    assert stats["bytes_read"] == FULL * m.kv_disk.tier.file_bytes
+    assert stats["hits"] == FILES and stats["bad_blocks"] == 0
+    assert stats["restored_tokens"] == RESTORED
+    assert stats["bytes_read"] == FILES * m.kv_disk.tier.file_bytes
     # restored blocks are published in the pool: the next request adopts them from RAM
     before = stats["hits"]
-    run(m, restored=FULL * KV_BLOCK + 8)  # + the tail the first session left
+    run(m, restored=RESTORED)
     assert m.kv_disk.stats()["hits"] == before
 
 
@@ -129,16 +132,16 @@ def test_generate_counts_restored_tokens_as_cached(tiny, tmp_path):
     m = model(tiny, tmp_path)
     gen = m.generate(PROMPT, max_tokens=6, temperature=0, stream=True)
     text = "".join(gen)
-    assert gen.stats.reused_tokens == FULL * KV_BLOCK
+    assert gen.stats.reused_tokens == RESTORED
     assert text == model(tiny).generate(PROMPT, max_tokens=6, temperature=0)  # uncached
-    assert m.engine.stats()["disk"]["restored_tokens"] == FULL * KV_BLOCK
+    assert m.engine.stats()["disk"]["restored_tokens"] == RESTORED
 
 
 def test_cache_prompt_warms_a_later_process(tiny, tmp_path):
     m = model(tiny, tmp_path)
-    assert m.cache_prompt(PROMPT) == FULL * KV_BLOCK
-    assert m.kv_disk.stats()["writes"] == FULL
-    first, second, n = run(model(tiny, tmp_path), restored=FULL * KV_BLOCK)
+    assert m.cache_prompt(PROMPT) == len(PROMPT)
+    assert m.kv_disk.stats()["writes"] == FILES
+    first, second, n = run(model(tiny, tmp_path), restored=RESTORED)
     assert same((first, second), uncached(tiny, n))
 
 
@@ -181,7 +184,7 @@ def test_a_bad_block_file_is_dropped_and_recomputed(tiny, artifacts, tmp_path, m
     assert stats["bad_blocks"] == 1 and stats["hits"] == 2
     m.kv_disk.tier.flush()  # the recomputed block is written again, whole
     assert bad.exists() and len(bad.read_bytes()) == m.kv_disk.tier.file_bytes
-    assert run(model(tiny, tmp_path), restored=FULL * KV_BLOCK)[2] == FULL * KV_BLOCK
+    assert run(model(tiny, tmp_path), restored=RESTORED)[2] == RESTORED
 
 
 class _Refusing:
@@ -216,9 +219,10 @@ class _Refusing:
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["full-disk", "read-only"])
 def test_an_unwritable_disk_is_counted_and_serving_goes_on(tiny, tmp_path, monkeypatch, code):
     files = saved(tiny, tmp_path)  # a tier with the first blocks, then the disk refuses
-    for f in files[3:]:
+    keep = [block_file(files[0].parent, i) for i in range(3)]
+    for f in set(files) - set(keep):
         f.unlink()
-    files = files[:3]
+    files = keep
     refusing = _Refusing(code)
     monkeypatch.setattr(kv_disk, "open", refusing, raising=False)
     m = model(tiny, tmp_path)
@@ -226,7 +230,7 @@ def test_an_unwritable_disk_is_counted_and_serving_goes_on(tiny, tmp_path, monke
     m.kv_disk.tier.flush()
     assert same((first, second), uncached(tiny, n))
     stats = m.kv_disk.stats()
-    assert refusing.refused and stats["write_errors"] == FULL - 3 and stats["writes"] == 0
+    assert refusing.refused and stats["write_errors"] == FILES - 3 and stats["writes"] == 0
     assert m.kv_disk.tier.last_error and os.strerror(code) in m.kv_disk.tier.last_error
     assert not list(m.kv_disk.tier.dir.glob(".tmp-*"))  # no half file left behind
     assert sorted(m.kv_disk.tier.dir.glob("*" + kv_disk.SUFFIX)) == sorted(files)
@@ -294,7 +298,7 @@ def test_the_size_bound_evicts_least_recently_used(tiny, tmp_path):
     run(m)
     m.kv_disk.tier.flush()
     stats = m.kv_disk.stats()
-    assert stats["files"] == 3 and stats["evictions"] == FULL - 3
+    assert stats["files"] == 3 and stats["evictions"] == FILES - 3
     assert stats["used_bytes"] <= limit
     # the oldest (the prefix's first blocks) went: a restart finds no prefix, and recomputes
     assert not block_file(m.kv_disk.tier.dir, 0).exists()
@@ -310,8 +314,8 @@ def test_two_processes_share_a_folder(tiny, tmp_path):
     a.kv_disk.tier.flush()
     b.kv_disk.tier.flush()
     files = list(a.kv_disk.tier.dir.glob("*" + kv_disk.SUFFIX))
-    assert len(files) == FULL
-    first, second, n = run(model(tiny, tmp_path), restored=FULL * KV_BLOCK)
+    assert len(files) == FILES
+    first, second, n = run(model(tiny, tmp_path), restored=RESTORED)
     assert same((first, second), uncached(tiny, n))
 
 
@@ -337,9 +341,9 @@ def test_cache_ls_and_clear(tiny, tmp_path, capsys):
     saved(tiny, tmp_path)
     assert main(["cache", "ls", "--kv-cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"{FULL:>8,} blocks" in out and "qwen3-tiny bf16" in out and "reference" in out
+    assert f"{FILES:>8,} blocks" in out and "qwen3-tiny bf16" in out and "reference" in out
     assert main(["cache", "clear", "--kv-cache-dir", str(tmp_path)]) == 0
-    assert f"removed {FULL} KV block files" in capsys.readouterr().out
+    assert f"removed {FILES} KV block files" in capsys.readouterr().out
     assert not list(tmp_path.glob("*/*" + kv_disk.SUFFIX))
 
 
@@ -378,7 +382,7 @@ def test_a_compiled_backend_restores_bitwise(artifacts, tmp_path, backend):
     tiny = artifacts(TINY)
     saved(tiny, tmp_path, backend=backend)
     m = model(tiny, tmp_path, backend=backend)
-    first, second, n = run(m, restored=FULL * KV_BLOCK)
+    first, second, n = run(m, restored=RESTORED)
     assert same((first, second), uncached(tiny, n, backend=backend))
     with m.session() as s:  # the restored KV is bitwise the saved bytes
         s.match_prefix(PROMPT)
@@ -388,3 +392,22 @@ def test_a_compiled_backend_restores_bitwise(artifacts, tmp_path, backend):
         assert payload == data[kv_disk._HEADER.size:kv_disk._HEADER.size + len(payload)]
     # the reference's blocks live in another namespace: never read by this backend
     assert model(tiny, tmp_path).kv_disk.tier.dir != m.kv_disk.tier.dir
+
+
+def test_metrics_and_doctor_show_the_tier(tiny, tmp_path):
+    pytest.importorskip("prometheus_client")
+    from kipp.doctor import _kv_disk_line, kv_disk_info
+    from kipp.http.metrics import _disk_metrics
+
+    saved(tiny, tmp_path)
+    m = model(tiny, tmp_path)
+    run(m)
+    families = {f.name: f.samples[0].value for f in _disk_metrics(m.engine.stats()["disk"])}
+    assert families["kipp_kv_disk_hits"] == FILES
+    assert families["kipp_kv_disk_restored_tokens"] == RESTORED
+    assert families["kipp_kv_disk_bytes"] == FILES * m.kv_disk.tier.file_bytes
+    assert list(_disk_metrics(None)) == []
+    info = kv_disk_info(True, tmp_path)
+    assert info["files"] == FILES and info["writable"] and len(info["namespaces"]) == 1
+    assert f"{FILES} blocks" in _kv_disk_line(info)
+    assert "KV disk" in repr(m) and f"{FILES} blocks" in repr(m)

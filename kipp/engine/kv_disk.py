@@ -11,12 +11,17 @@ checksum, the KV scheme and the backend's numerics (Backend.kv_identity). A file
 (magic, namespace, digest, the block's 32 token ids, payload length), the backend's payload and
 a CRC-32 of all of it; a file failing any check is deleted, counted and recomputed, never used.
 
-Writes run on one background thread behind a bounded queue (a full queue drops the job and
-counts it): temp name, then rename, so a killed process leaves no half file under a real name;
-two processes writing the same block write the same bytes (content addressing), the rename of
-the second just replaces the first. The folder is size-bounded: the least recently used files
-(by mtime, refreshed on every hit) go first. Any OSError (full disk, read-only folder) is
-counted and the tier keeps serving from what it has: the server never fails for its disk.
+A finished sequence's partial last block (the pool's tail) is kept too, one file per parent
+(`tail-<key>.kvb`, the latest replacing the last), so a repeated prompt after a restart
+evaluates only its last token, as it would in RAM.
+
+Writes run on one background thread behind a bounded queue (64 jobs, 1 GiB of payloads beyond
+the first job; a full queue drops the job and counts it): temp name, then rename, so a killed
+process leaves no half file under a real name; two processes writing the same block write the
+same bytes (content addressing), the rename of the second just replaces the first. The folder
+is size-bounded: the least recently used files (by mtime, refreshed on every hit) go first.
+Any OSError (full disk, read-only folder) is counted and the tier keeps serving from what it
+has: the server never fails for its disk.
 """
 
 from __future__ import annotations
@@ -44,10 +49,13 @@ log = logging.getLogger("kipp.kv_disk")
 
 MAGIC = b"KIPPKV1\0"
 SUFFIX = ".kvb"
+TAIL = "tail-"  # a partial last block's file: tail-<key of its parent>.kvb
+NO_TOKEN = 0xFFFFFFFF  # pads a tail's token slots
 LABEL = "label.txt"  # in each namespace folder: the artifact, KV scheme and backend
 _HEADER = struct.Struct(f"<8s16s16s{KV_BLOCK}IQ")
 _CRC = struct.Struct("<I")
 QUEUE_JOBS = 64  # publications waiting for the writer; more are dropped (counted)
+QUEUE_BYTES = 1 << 30  # payload bytes they may hold (device memory, on a GPU) beyond the first
 DEFAULT_SHARE = 0.25  # of the free disk, when --kv-disk-mib is not given
 DEFAULT_CAP = 32 << 30
 
@@ -109,6 +117,11 @@ def artifact_checksum(path: Path, memo: Path | None = None) -> str:
     return h.hexdigest()
 
 
+def tail_key(parent: bytes | None) -> bytes:
+    """The name of the tail after `parent` (None: a tail holding position 0)."""
+    return hashlib.blake2b(b"tail" + (parent or b""), digest_size=16).digest()
+
+
 def default_limit(folder: Path) -> int:
     """A quarter of the free disk under `folder`, at most 32 GiB."""
     probe = folder
@@ -137,6 +150,7 @@ class DiskTier:
         self._sizes: dict[Path, int] = {}  # every block file under root, oldest first
         self._queue: queue.Queue[_Job | None] = queue.Queue(QUEUE_JOBS)
         self._tmp = 0
+        self._queued = 0  # payload bytes of the queued jobs
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if label and not (self.dir / LABEL).exists():  # what `kipp cache ls` names it by
@@ -150,6 +164,9 @@ class DiskTier:
 
     def path(self, digest: bytes) -> Path:
         return self.dir / (digest.hex() + SUFFIX)
+
+    def tail_path(self, parent: bytes | None) -> Path:
+        return self.dir / (TAIL + tail_key(parent).hex() + SUFFIX)
 
     def has(self, digest: bytes) -> bool:
         with self._lock:
@@ -186,8 +203,26 @@ class DiskTier:
             out.append(payload)
         return out
 
-    def read(self, digest: bytes, chunk: tuple[int, ...]) -> bytes | None:
-        path = self.path(digest)
+    def tail_tokens(self, parent: bytes | None) -> tuple[int, ...] | None:
+        """The tokens named in the header of `parent`'s tail file (unverified), or None."""
+        try:
+            with open(self.tail_path(parent), "rb") as f:
+                head = f.read(_HEADER.size)
+        except OSError:
+            return None
+        if len(head) != _HEADER.size:
+            return None
+        return tuple(t for t in _HEADER.unpack(head)[3:3 + KV_BLOCK] if t != NO_TOKEN)
+
+    def read_tail(self, parent: bytes | None) -> tuple[bytes, tuple[int, ...]] | None:
+        """(payload, tokens) of the partial block last published after `parent`, or None."""
+        found = self.read(tail_key(parent), None, self.tail_path(parent))
+        return found
+
+    def read(self, digest: bytes, chunk: tuple[int, ...] | None,
+             path: Path | None = None):
+        """A verified block's payload (a tail's: (payload, tokens), `chunk` None), or None."""
+        path = self.path(digest) if path is None else path
         try:
             with open(path, "rb") as f:
                 data = f.read(self.file_bytes + 1)
@@ -209,9 +244,13 @@ class DiskTier:
         with self._lock:
             self._sizes.pop(path, None)
             self._sizes[path] = len(data)
-        return data[_HEADER.size:_HEADER.size + self.block_bytes]
+        payload = memoryview(data)[_HEADER.size:_HEADER.size + self.block_bytes]
+        if chunk is None:
+            tokens = _HEADER.unpack_from(data)[3:3 + KV_BLOCK]
+            return payload, tuple(t for t in tokens if t != NO_TOKEN)
+        return payload
 
-    def _check(self, data: bytes, digest: bytes, chunk: tuple[int, ...]) -> Bad | None:
+    def _check(self, data: bytes, digest: bytes, chunk: tuple[int, ...] | None) -> Bad | None:
         if len(data) != self.file_bytes:
             return Bad.SHORT
         magic, space, key, *rest = _HEADER.unpack_from(data)
@@ -219,6 +258,9 @@ class DiskTier:
             return Bad.MAGIC
         if space != self.space:
             return Bad.NAMESPACE
+        if chunk is None:  # a tail: 1..31 tokens, then padding
+            n = KV_BLOCK - rest[:KV_BLOCK].count(NO_TOKEN)
+            chunk = tuple(rest[:n]) + (NO_TOKEN,) * (KV_BLOCK - n) if 0 < n < KV_BLOCK else ()
         if key != digest or tuple(rest[:KV_BLOCK]) != chunk or rest[KV_BLOCK] != self.block_bytes:
             return Bad.KEY
         (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
@@ -228,15 +270,27 @@ class DiskTier:
 
     # -- writing (the writer thread) ------------------------------------------------------------
 
+    def admits(self, blocks: int) -> bool:
+        """Whether a job of `blocks` would be queued; if not, it is counted as dropped."""
+        with self._lock:
+            fits = self._queued == 0 or self._queued + blocks * self.block_bytes <= QUEUE_BYTES
+        if not fits or self._queue.full():
+            self.counters["dropped"] += blocks
+            return False
+        return True
+
     def submit(self, keys: Sequence[tuple[bytes, tuple[int, ...]]],
                fetch: Callable[[], list[bytes]]) -> bool:
         """Queue blocks to write; False (counted in `dropped`) when the queue is full."""
+        size = len(keys) * self.block_bytes
         try:
             self._queue.put_nowait(_Job(tuple(keys), fetch))
-            return True
         except queue.Full:
             self.counters["dropped"] += len(keys)
             return False
+        with self._lock:
+            self._queued += size
+        return True
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued write is done (tests, cache-prompt, exit)."""
@@ -258,15 +312,25 @@ class DiskTier:
             except Exception as e:  # the backend could not hand the bytes over: drop the job
                 log.warning("KV blocks not written: %s", e)
                 self.counters["write_errors"] += len(job.keys)
-                continue
+                payloads = []
+            with self._lock:
+                self._queued -= len(job.keys) * self.block_bytes
             for (digest, chunk), payload in zip(job.keys, payloads):
-                self._write(digest, chunk, payload)
+                if len(chunk) < KV_BLOCK:  # a tail: its digest is its parent's
+                    self._write(tail_key(digest or None), chunk, payload,
+                                self.tail_path(digest or None))
+                else:
+                    self._write(digest, chunk, payload)
             self._evict()
 
-    def _write(self, digest: bytes, chunk: tuple[int, ...], payload: bytes) -> None:
-        path = self.path(digest)
-        if len(payload) != self.block_bytes or path.exists():
+    def _write(self, digest: bytes, chunk: tuple[int, ...], payload: bytes,
+               path: Path | None = None) -> None:
+        tail = path is not None  # a tail replaces the last one of its parent
+        path = self.path(digest) if path is None else path
+        if len(payload) != self.block_bytes or (path.exists() and not tail):
             return  # another process (or an earlier job) wrote it: content-addressed
+        if tail:
+            chunk = tuple(chunk) + (NO_TOKEN,) * (KV_BLOCK - len(chunk))
         body = _HEADER.pack(MAGIC, self.space, digest, *chunk, len(payload)) + payload
         data = body + _CRC.pack(zlib.crc32(body))
         self._tmp += 1
@@ -392,6 +456,22 @@ class KVDisk:
         self.tier, self.backend, self.pool = tier, backend, pool
         self.restored_tokens = 0
         pool.on_publish = self._published
+        pool.on_tail = self._tail_published
+
+    def _tail_published(self, block: int, parent: bytes | None, tokens: tuple[int, ...]):
+        """A finished sequence's partial last block: written under its parent's tail name,
+        so a repeated prompt after a restart evaluates only its last token, as in RAM."""
+        if self.tier.limit < self.tier.file_bytes or self.tier.tail_tokens(parent) == tokens:
+            return  # no room, or this very tail is there already (a repeated prompt's)
+        if not self.tier.admits(1):
+            return
+        try:
+            fetch = self.backend.read_blocks([block])
+        except Exception as e:
+            log.warning("KV tail not written: %s", e)
+            self.tier.counters["write_errors"] += 1
+            return
+        self.tier.submit([(parent or b"", tokens)], fetch)
 
     def _published(self, entries: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
         """New pool publications (block, digest, tokens): their KV is read off the backend
@@ -399,7 +479,7 @@ class KVDisk:
         new = [e for e in entries if not self.tier.has(e[1])]
         if not new:
             return
-        if self.tier.limit < self.tier.file_bytes:
+        if self.tier.limit < self.tier.file_bytes or not self.tier.admits(len(new)):
             return
         try:
             fetch = self.backend.read_blocks([b for b, _, _ in new])
@@ -430,6 +510,37 @@ class KVDisk:
             raise
         self.restored_tokens += len(new) * KV_BLOCK
         return full
+
+    def tail(self, tokens: Sequence[int], table: list[int], limit: int) -> tuple[int | None, int]:
+        """After `table` (every full block of the prompt it can hold), the cached partial block
+        on disk that continues it, as BlockPool.match_tail: (a private block of the caller,
+        the n <= limit tokens it agrees on), or (None, 0)."""
+        parent = None
+        for i in range(len(table)):
+            parent = block_hash(parent, tokens[i * KV_BLOCK:(i + 1) * KV_BLOCK])
+        start = len(table) * KV_BLOCK
+        want = tuple(tokens[start:start + min(limit, KV_BLOCK - 1)])
+        if not want or self.pool.num_available - self.pool.reserved < 1:
+            return None, 0
+        found = self.tier.read_tail(parent)
+        if found is None:
+            return None, 0
+        payload, have = found
+        n = 0
+        for x, y in zip(have, want):
+            if x != y:
+                break
+            n += 1
+        if not n:
+            return None, 0
+        [block] = self.pool.allocate(1)
+        try:
+            self.backend.write_blocks([block], [payload])
+        except BaseException:
+            self.pool.release([block])
+            raise
+        self.restored_tokens += n
+        return block, n
 
     def stats(self) -> dict:
         return dict(self.tier.stats(), restored_tokens=self.restored_tokens)

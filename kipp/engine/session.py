@@ -137,6 +137,13 @@ class Session:
         self.block_table = list(blocks)
         self.shared_blocks = len(blocks)
         tail, n = pool.match_tail(tokens, blocks, usable - len(blocks) * KV_BLOCK)
+        if tail is None and disk is not None and len(blocks) == usable // KV_BLOCK:
+            try:
+                tail, n = disk.tail(tokens, blocks, usable - len(blocks) * KV_BLOCK)
+            except BaseException:
+                self.block_table, self.shared_blocks = [], 0
+                pool.release(blocks)
+                raise
         if tail is not None:
             self.block_table.append(tail)
         self.tokens = list(tokens[: len(blocks) * KV_BLOCK + n])
