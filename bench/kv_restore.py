@@ -21,8 +21,9 @@ $KIPP_HOME):
    bytes: 19,968 tokens (624 blocks) of Qwen3-4B BF16 KV (36 layers x K, V x 8 heads x 128 x 2
    bytes = 147,456 bytes a token) plus headers; ssd_gbps (--ssd-gbps, default 5: an M-series
    internal SSD's sequential read); pipeline_gbps: this run's warm restore bandwidth (verify +
-   import on this CPU; a Mac's cores are not slower per byte); tail: 31 tokens at
-   --prefill-tok-s (default 4,000: the issue's ~5 s for 20k tokens at 4B on a Mac).
+   import on this CPU; a Mac's cores are not slower per byte); tail: the prompt's new partial
+   block, at most 31 tokens (1 for a repeated prompt, its tail restored too), at
+   --prefill-tok-s (default 4,000: ~5 s for 20k tokens at 4B on a Mac).
 Every measured figure is a median over the runs, with all runs kept.
 """
 

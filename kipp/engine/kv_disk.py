@@ -27,7 +27,9 @@ has: the server never fails for its disk.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -117,6 +119,14 @@ def artifact_checksum(path: Path, memo: Path | None = None) -> str:
     return h.hexdigest()
 
 
+READERS = 4  # block files read and checked at once on a restore
+
+
+@functools.cache
+def _readers() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="kipp-kv-read")
+
+
 def tail_key(parent: bytes | None) -> bytes:
     """The name of the tail after `parent` (None: a tail holding position 0)."""
     return hashlib.blake2b(b"tail" + (parent or b""), digest_size=16).digest()
@@ -190,17 +200,23 @@ class DiskTier:
 
     def read_run(self, tokens: Sequence[int], start: int, stop: int) -> list[bytes]:
         """Payloads of blocks start..stop-1 of `tokens` found on disk, in order, up to the first
-        missing or bad one."""
-        digest, out = None, []
+        missing or bad one. Files are read and checked READERS at a time (file reads and CRC-32
+        release the GIL), in order; those past the first failure are not counted."""
+        digest, keys = None, []
         for i in range(stop):
             chunk = tuple(tokens[i * KV_BLOCK:(i + 1) * KV_BLOCK])
             digest = block_hash(digest, chunk)
-            if i < start:
-                continue
-            payload = self.read(digest, chunk)
-            if payload is None:
-                break
-            out.append(payload)
+            if i >= start:
+                keys.append((digest, chunk))
+        out = []
+        for at in range(0, len(keys), READERS):
+            batch = keys[at:at + READERS]
+            loaded = list(_readers().map(lambda key: self._load(*key), batch))
+            for (digest, chunk), found in zip(batch, loaded):
+                payload = self._settle(self.path(digest), found)
+                if payload is None:
+                    return out
+                out.append(payload)
         return out
 
     def tail_tokens(self, parent: bytes | None) -> tuple[int, ...] | None:
@@ -223,13 +239,24 @@ class DiskTier:
              path: Path | None = None):
         """A verified block's payload (a tail's: (payload, tokens), `chunk` None), or None."""
         path = self.path(digest) if path is None else path
+        return self._settle(path, self._load(digest, chunk, path))
+
+    def _load(self, digest: bytes, chunk, path: Path | None = None):
+        """(data, why it is bad or None, chunk) of a block file; None when it is missing."""
+        path = self.path(digest) if path is None else path
         try:
             with open(path, "rb") as f:
                 data = f.read(self.file_bytes + 1)
         except OSError:
+            return None
+        return data, self._check(data, digest, chunk), chunk
+
+    def _settle(self, path: Path, found):
+        """Count a loaded file, drop a bad one; its payload (a tail's with its tokens)."""
+        if found is None:
             self.counters["misses"] += 1
             return None
-        bad = self._check(data, digest, chunk)
+        data, bad, chunk = found
         if bad is not None:
             log.warning("KV block file %s dropped: %s", path.name, bad.value)
             self.counters["bad_blocks"] += 1
