@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -125,6 +125,32 @@ class Backend(ABC):
             if bad:
                 raise EvalError(f"block id {bad[0]} is outside the KV slab "
                                 f"0..{self._num_blocks - 1}")
+
+    # -- one block's KV bytes, for kipp.engine.kv_disk (backends that can set this True) ---------
+
+    supports_kv_io: bool = False
+
+    def kv_identity(self) -> str:
+        """Everything besides the artifact and the KV scheme that makes this backend's KV bytes
+        differ from another's (its numerics, the slab's byte layout): two backends whose KV can
+        differ in the last bit must return different strings."""
+        raise NotImplementedError(f"the {self.name} backend does not export KV blocks")
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block's payload (every layer's K and V for 32 positions)."""
+        raise NotImplementedError(f"the {self.name} backend does not export KV blocks")
+
+    def read_blocks(self, block_ids: Sequence[int]) -> Callable[[], list[bytes]]:
+        """Start copying blocks out of the slab; the returned function (called on another
+        thread, at most once) gives each block's payload. The copy must not see later evals:
+        take it (or dispatch it) now, before this returns."""
+        raise NotImplementedError(f"the {self.name} backend does not export KV blocks")
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Store payloads (from read_blocks of a backend with the same kv_identity) into
+        blocks; afterwards those positions read exactly as they did where they were saved."""
+        raise NotImplementedError(f"the {self.name} backend does not import KV blocks")
 
     @abstractmethod
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:

@@ -88,12 +88,15 @@ def _describe(path) -> None:
 def _load(args):
     from kipp.model import load
 
-    return load(args.model, backend=args.backend, scheme=args.scheme,
-                kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
-                kv_scheme=getattr(args, "kv_scheme", "bf16"),
-                weight_memory=getattr(args, "weight_memory", "auto"),
-                draft=getattr(args, "draft_model", None),
-                draft_tokens=getattr(args, "draft_tokens", None))
+    model = load(args.model, backend=args.backend, scheme=args.scheme,
+                 kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
+                 kv_scheme=getattr(args, "kv_scheme", "bf16"),
+                 weight_memory=getattr(args, "weight_memory", "auto"),
+                 draft=getattr(args, "draft_model", None),
+                 draft_tokens=getattr(args, "draft_tokens", None))
+    if hasattr(args, "kv_disk_mib"):
+        _attach_disk(model, args)
+    return model
 
 
 def _add_draft_arguments(p) -> None:
@@ -107,6 +110,62 @@ def _add_draft_arguments(p) -> None:
 def _speculative(args, model):
     """What --spec and --draft-model ask for: the draft model's config, or prompt lookup."""
     return model.draft_spec or args.spec
+
+
+def _kv_folder(args) -> Path:
+    from kipp.formats.store import home
+
+    return Path(args.kv_cache_dir) if args.kv_cache_dir else home() / "kv"
+
+
+def _attach_disk(model, args) -> None:
+    """The KV disk tier, on by default where the backend can export blocks (0 MiB: off)."""
+    if args.kv_disk_mib == 0:
+        return
+    if not model.backend.supports_kv_io:
+        if args.kv_cache_dir or args.kv_disk_mib:
+            raise KippError(f"the {model.backend.name} backend cannot keep KV blocks on disk "
+                            f"(--kv-cache-dir, --kv-disk-mib)")
+        return
+    disk = model.attach_kv_disk(_kv_folder(args), args.kv_disk_mib)
+    print(f"kipp: KV disk tier {disk.describe()}", file=sys.stderr)
+
+
+def _cache_prompt(args) -> None:
+    try:
+        text = args.file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KippError(f"--file {args.file}: {e}") from None
+    if not text:
+        raise KippError(f"--file {args.file} is empty")
+    if args.kv_disk_mib == 0:
+        raise KippError("cache-prompt writes to the disk tier: --kv-disk-mib 0 turns it off")
+    model = _load(args)
+    if model.kv_disk is None:
+        raise KippError(f"the {model.backend.name} backend cannot keep KV blocks on disk")
+    cached = model.cache_prompt(text)
+    stats = model.kv_disk.stats()
+    print(f"cached {cached:,} tokens of {len(model.prompt_ids(text)):,} "
+          f"({stats['writes']:,} blocks written) in {model.kv_disk.tier.root}")
+
+
+def _cache(args) -> None:
+    from kipp.engine import kv_disk
+
+    folder = _kv_folder(args)
+    listing = kv_disk.listing(folder)
+    if args.action == "clear":
+        removed, size = kv_disk.clear(folder)
+        print(f"removed {removed:,} KV block files ({size / 2**20:,.1f} MiB) from {folder}")
+        return
+    if not listing:
+        print(f"{folder}: no KV block files")
+        return
+    print(f"{folder}:")
+    for space, (files, size) in listing.items():
+        print(f"  {space}  {files:>8,} blocks  {size / 2**20:>10,.1f} MiB")
+    total = sum(size for _, size in listing.values())
+    print(f"  total {sum(f for f, _ in listing.values()):,} blocks, {total / 2**20:,.1f} MiB")
 
 
 def _sampling(args) -> dict:
@@ -313,6 +372,15 @@ def _sampling_type(name: str, kind):
     return check
 
 
+def _add_disk_arguments(p) -> None:
+    p.add_argument("--kv-cache-dir", type=Path, metavar="DIR",
+                   help="KV disk tier folder: published prefixes survive restarts "
+                   "(default: $KIPP_HOME/kv)")
+    p.add_argument("--kv-disk-mib", type=_at_least(0), metavar="MIB",
+                   help="KV disk tier size bound, least recently used blocks go first "
+                   "(default: a quarter of the free disk, at most 32 GiB; 0: no disk tier)")
+
+
 def _add_model_arguments(p) -> None:
     p.add_argument("model", help="a registry id or a .gguf artifact")
     p.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
@@ -390,6 +458,7 @@ def _add_generation_commands(commands) -> None:
     p = commands.add_parser("run", help="generate text from a prompt, streaming")
     _add_model_arguments(p)
     p.add_argument("--prompt", required=True, help="the text to continue")
+    _add_disk_arguments(p)
     _add_sampling_arguments(p, _api_default(Model.generate, "max_tokens"))
     p.set_defaults(run=_run)
 
@@ -397,8 +466,23 @@ def _add_generation_commands(commands) -> None:
     _add_model_arguments(p)
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="enable_thinking=False")
+    _add_disk_arguments(p)
     _add_sampling_arguments(p, _api_default(Model.chat, "max_tokens"))
     p.set_defaults(run=_chat)
+
+    p = commands.add_parser("cache-prompt", help="publish a prompt's KV blocks to the disk "
+                            "tier now, so a later request (or process) starting with it skips "
+                            "their prefill")
+    _add_model_arguments(p)
+    p.add_argument("--file", type=Path, required=True, help="the prompt text (a system prompt)")
+    _add_disk_arguments(p)
+    p.set_defaults(run=_cache_prompt)
+
+    p = commands.add_parser("cache", help="the KV disk tier: ls shows it, clear empties it")
+    p.add_argument("action", choices=("ls", "clear"))
+    p.add_argument("--kv-cache-dir", type=Path, metavar="DIR",
+                   help="the tier's folder (default: $KIPP_HOME/kv)")
+    p.set_defaults(run=_cache)
 
 
 def _add_serve_command(commands) -> None:
@@ -407,6 +491,7 @@ def _add_serve_command(commands) -> None:
 
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _add_model_arguments(p)
+    _add_disk_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address: loopback only unless "
                    "you choose otherwise")
     p.add_argument("--port", type=_port, default=8080, help="0 picks a free port (printed)")

@@ -77,6 +77,7 @@ def collect(model: str | None = None, backend: str = "auto", *, tiny: str | Path
     report["backend"].update(describe=chosen.describe(),
                              load_seconds=round(time.perf_counter() - start, 3))
     report["kernels"] = chosen.kernel_report().to_json()
+    report["kv_disk"] = kv_disk_info(chosen.supports_kv_io)
     progress("gates...")
     report["gates"] = [_gate_json(g) for g in run_gates(artifact, chosen, tiny_source)]
     progress("speed...")
@@ -85,6 +86,35 @@ def collect(model: str | None = None, backend: str = "auto", *, tiny: str | Path
     report["healthy"] = all(g["passed"] for g in gated) and not report["kernels"]["fell_back"]
     report["summary"] = summary(report)
     return report
+
+
+def kv_disk_info(supported: bool, folder: Path | None = None) -> dict:
+    """The KV disk tier's folder (default $KIPP_HOME/kv): what it holds, whether it can be
+    written, the default size bound, and whether the chosen backend can use it."""
+    import os
+
+    from kipp.engine import kv_disk
+    from kipp.formats.store import home
+
+    folder = home() / "kv" if folder is None else Path(folder)
+    listing = kv_disk.listing(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return {"folder": str(folder), "backend_supported": supported,
+            "writable": os.access(probe, os.W_OK),
+            "default_limit_mib": kv_disk.default_limit(folder) // 2**20,
+            "files": sum(n for n, _ in listing.values()),
+            "mib": round(sum(b for _, b in listing.values()) / 2**20, 1),
+            "namespaces": {name: {"files": n, "mib": round(b / 2**20, 1)}
+                           for name, (n, b) in listing.items()}}
+
+
+def _kv_disk_line(d: dict) -> str:
+    state = ("" if d["backend_supported"] else "not supported by this backend; ") + \
+        ("" if d["writable"] else "NOT writable; ")
+    return (f"{state}{d['files']:,} blocks, {d['mib']:,} MiB in {d['folder']} "
+            f"(default bound {d['default_limit_mib']:,} MiB)")
 
 
 def platform_info() -> dict:
@@ -233,6 +263,7 @@ def summary(report: dict) -> list[str]:
         f"backend: {b['chosen']} ({b['reason']})",
         f"path: {b['describe']}",
         f"kernels: {kernels}",
+        f"kv disk: {_kv_disk_line(report['kv_disk'])}",
         f"gates: {len(gated) - len(failed)}/{len(gated)} pass"
         + (f"; FAILED: {', '.join(failed)}" if failed else ""),
         f"speed ({s['model']}): prefill {s['prefill_tok_s']} tok/s ({s['prefill_tokens']} "
@@ -256,6 +287,9 @@ def format_report(report: dict) -> str:
     lines += ["kernel probes:"] + [_probe_line(p) for p in report["kernels"]["probes"]]
     if not report["kernels"]["probes"]:
         lines += ["  none: this path runs no kernels"]
+    lines += ["kv disk tier:", f"  {_kv_disk_line(report['kv_disk'])}"]
+    lines += [f"  {name}: {v['files']:,} blocks, {v['mib']:,} MiB"
+              for name, v in report["kv_disk"]["namespaces"].items()]
     lines += ["gates (tiny synthetic checkpoint):"] + [_gate_line(g) for g in report["gates"]]
     s = report["speed"]
     lines += ["speed:", f"  {s['model']} on {s['backend']}",

@@ -51,7 +51,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_tokens: int | None = None, progress: bool = True,
          kv_scheme: str = "bf16", kv_mib: float | None = None,
          weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
-         draft_tokens: int | None = None) -> "Model":
+         draft_tokens: int | None = None, kv_cache_dir: str | Path | None = None,
+         kv_disk_mib: float | None = None) -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -63,9 +64,12 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `draft` (a checkpoint as above, or a loaded Model on the same backend) is a small model of
     the family that drafts for `speculative=True`, greedy or sampled (kipp.engine.draft); it
     must share the tokenizer exactly. `draft_tokens` caps its draft length (default: the
-    adaptive gate's longest, 15). Every argument is checked before any download, conversion
-    or allocation."""
+    adaptive gate's longest, 15).
+    `kv_cache_dir` keeps published KV blocks on disk there too (kipp.engine.kv_disk), up to
+    `kv_disk_mib` MiB (default: a quarter of the free disk); a later process reuses them.
+    Every argument is checked before any download, conversion or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
+    _check_disk_arguments(kv_cache_dir, kv_disk_mib)
     check_weight_memory(weight_memory)
     sizes = _draft_sizes(draft, draft_tokens)
     choice = choose_backend(backend)
@@ -90,6 +94,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
             draft = load(draft, choice.name, scheme, kv_tokens, progress, kv_scheme, kv_mib,
                          weight_memory)
         model.set_draft(draft, sizes)
+    if kv_cache_dir is not None:
+        model.attach_kv_disk(kv_cache_dir, kv_disk_mib)
     return model
 
 
@@ -103,6 +109,14 @@ def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:
             or not 1 <= draft_tokens <= 64):
         raise KippError(f"draft_tokens must be an integer in 1..64, got {draft_tokens!r}")
     return tuple(k for k in (3, 7, 15) if k < draft_tokens) + (int(draft_tokens),)
+
+
+def _check_disk_arguments(folder, mib) -> None:
+    if mib is not None and (isinstance(mib, bool) or not isinstance(mib, numbers.Real)
+                            or not 0 <= mib < float("inf")):
+        raise KippError(f"kv_disk_mib must be a number of MiB >= 0, got {mib!r}")
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise KippError(f"kv_cache_dir {folder} is a file, not a folder")
 
 
 def _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib) -> None:
@@ -188,6 +202,7 @@ class Model:
         self._engine = None
         self.draft: Model | None = None  # the draft model speculative=True drafts with
         self.draft_spec: SpecConfig | None = None
+        self.kv_disk = None  # kipp.engine.kv_disk.KVDisk once attach_kv_disk is called
 
     def set_draft(self, draft: "Model | None", sizes: tuple[int, ...] | None = None) -> None:
         """Draft with `draft` (None: prompt lookup again) for speculative=True; SpecError if it
@@ -199,6 +214,46 @@ class Model:
         self.draft_spec = SpecConfig.model(draft, self, **gate)
         self.draft = draft
 
+    def attach_kv_disk(self, folder: str | Path, mib: float | None = None):
+        """Keep published KV blocks in `folder` too, up to `mib` MiB (default: a quarter of
+        the free disk): kipp.engine.kv_disk. Returns the KVDisk."""
+        from kipp.engine import kv_disk
+
+        _check_disk_arguments(folder, mib)
+        backend = self.backend
+        if not backend.supports_kv_io:
+            raise KippError(f"the {backend.name} backend cannot keep KV blocks on disk "
+                            f"(--kv-cache-dir)")
+        folder = Path(folder)
+        limit = kv_disk.default_limit(folder) if mib is None else int(mib * 2**20)
+        memo = folder / "artifacts.json"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # a read-only place: the tier serves what is there, and counts its errors
+        checksum = kv_disk.artifact_checksum(self.artifact.path, memo)
+        kv_scheme = getattr(backend, "kv_scheme", "bf16")
+        space = kv_disk.namespace(checksum, kv_scheme, backend.kv_identity())
+        label = f"{self.entry.id} {self.artifact.scheme.name} ({checksum[:12]}), " \
+                f"{kv_scheme} KV, {backend.name}"
+        tier = kv_disk.DiskTier(folder, space, backend.kv_block_bytes, limit, label)
+        self.kv_disk = kv_disk.KVDisk(tier, backend, self.pool)
+        return self.kv_disk
+
+    def cache_prompt(self, prompt: str | Sequence[int]) -> int:
+        """Evaluate `prompt` (text or token ids) and publish its KV blocks now, so a later
+        request (in this process, or after a restart with the disk tier) starting with it
+        skips their prefill. Returns the prompt's tokens whose KV is now cached (all of them: the
+        full blocks, and the partial last block for a later prompt that continues it)."""
+        ids = self.prompt_ids(prompt)
+        with self.session(len(ids)) as s:
+            s.match_prefix(ids)
+            if s.length < len(ids):
+                s.eval(ids[s.length:])
+        if self.kv_disk is not None:
+            self.kv_disk.tier.flush()
+        return len(ids)
+
     def _display_rows(self) -> list[tuple[str, str]]:
         pool = self.pool
         return [
@@ -208,6 +263,7 @@ class Model:
             ("context", f"{self.entry.context_length:,} tokens"),
             ("KV pool", f"{pool.num_in_use:,} of {count(pool.num_blocks, 'block')} in use "
                         f"({KV_BLOCK} tokens each), {pool.num_evictable:,} cached for reuse"),
+            ("KV disk", "off" if self.kv_disk is None else self.kv_disk.describe()),
         ]
 
     def __repr__(self) -> str:

@@ -537,3 +537,25 @@ def test_misuse_is_rejected():
     assert pool.match_prefix(seq(1, start=7)) == []
     pool.release(table)
     pool.check()
+
+
+def test_on_publish_reports_only_new_full_blocks():
+    """The disk tier's hook (kipp.engine.kv_disk): each publish's newly published full blocks,
+    with their chained digests and tokens, while still held; a duplicate or tail is not."""
+    pool = BlockPool(8)
+    seen = []
+    pool.on_publish = seen.append
+    tokens = seq(2, extra=5)
+    table = pool.allocate(3)
+    pool.publish(tokens, table, tail=True)
+    d0 = blocks.block_hash(None, tokens[:KV_BLOCK])
+    d1 = blocks.block_hash(d0, tokens[KV_BLOCK:2 * KV_BLOCK])
+    assert seen == [[(table[0], d0, tuple(tokens[:KV_BLOCK])),
+                     (table[1], d1, tuple(tokens[KV_BLOCK:2 * KV_BLOCK]))]]
+    assert all(pool._ref[b] == 1 for b, _, _ in seen[0])  # still held when reported
+    pool.release(table)
+    other = pool.allocate(3)
+    pool.publish(tokens, other)  # the same content is published already: nothing new
+    assert len(seen) == 1
+    pool.release(other)
+    pool.check()

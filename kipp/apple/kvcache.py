@@ -16,7 +16,9 @@ same order as the identity table.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
+from kipp.backend import KV_BLOCK
 from kipp.errors import KippError
 from kipp.formats.kvquant import ROW_BLOCKS, SCHEMES
 from kipp.formats.quant import BLOCK
@@ -48,6 +50,29 @@ class KVSlab:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
+    def block_bytes(self, block: int) -> bytes:
+        """Every layer's rows of one 32-slot block, data then scales (a copy, taken now)."""
+        rows = slice(block * KV_BLOCK, (block + 1) * KV_BLOCK)
+        parts = [a[rows] for a in self.arrays()]
+        mx.eval(parts)
+        return b"".join(np.asarray(_bits(a)).tobytes() for a in parts)
+
+    def set_block(self, block: int, data: bytes) -> None:
+        """The inverse of block_bytes."""
+        rows, at = slice(block * KV_BLOCK, (block + 1) * KV_BLOCK), 0
+        for buffers in ([self.data] if self.scales is None else [self.data, self.scales]):
+            for layer, a in enumerate(buffers):
+                shape = (KV_BLOCK,) + tuple(a.shape[1:])
+                bits = mx.uint16 if a.dtype in (mx.bfloat16, mx.float16) else a.dtype
+                width = 1 if a.dtype == mx.int8 else 2
+                size = int(np.prod(shape)) * width
+                host = np.frombuffer(data, np.int8 if width == 1 else np.uint16,
+                                     size // width, at).reshape(shape)
+                value = mx.array(host)
+                buffers[layer][rows] = value if bits == a.dtype else value.view(a.dtype)
+                at += size
+        mx.eval(self.arrays())
+
     def store(self, layer: int, rows: mx.array, slots: mx.array) -> None:
         """Write float32 rows [T, 8, 128] at slab rows `slots` [T] int32, in the slab's format."""
         if self.scheme == "bf16":
@@ -69,6 +94,11 @@ class KVSlab:
         if self.scheme == "bf16":
             return (self.data[layer].view(mx.uint16),)
         return (self.data[layer], self.scales[layer].view(mx.uint16))
+
+
+def _bits(a: mx.array) -> mx.array:
+    """16-bit floats as their uint16 bits (numpy has no bfloat16)."""
+    return a.view(mx.uint16) if a.dtype in (mx.bfloat16, mx.float16) else a
 
 
 def dequantize_q8_0(q: mx.array, d: mx.array) -> mx.array:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from kipp import memory, probe
-from kipp.backend import KV_BLOCK, Backend, EvalItem
+from kipp.backend import KV_BLOCK, Backend, EvalError, EvalItem
 from kipp.cuda import forward, kvcache, layout, plan, rounds
 from kipp.display import step_bar
 from kipp.errors import KippError
@@ -162,6 +162,52 @@ class JaxBackend(Backend):
         """Bytes of prepared weights on the device (what a decode step streams, plus KV)."""
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
 
+    supports_kv_io = True
+
+    def kv_identity(self) -> str:
+        device = getattr(self.device, "device_kind", "") if self.device is not None else "mesh"
+        return (f"jax {jax.__version__} {self.plan.platform} {device} {self.choice.label} "
+                f"{self.layout} {self.memory.mode} stacked={self.stacked} {self._ops()!r}")
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return KV_BLOCK * self.kv_bytes_per_token
+
+    def read_blocks(self, block_ids: Sequence[int]):
+        gather, _ = self._block_io()
+        parts = [gather(self.kv, ids) for ids in _io_chunks(block_ids)]  # dispatched, async
+        axis, n = (1 if self.stacked else 0), len(block_ids)
+
+        def fetch() -> list[bytes]:
+            hosts = [[np.asarray(a) for a in jax.tree.leaves(p)] for p in parts]
+            return [b"".join(np.take(h, i % kvcache.IO_BLOCKS, axis).tobytes()
+                             for h in hosts[i // kvcache.IO_BLOCKS]) for i in range(n)]
+        return fetch
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        _, scatter = self._block_io()
+        shapes = kvcache.block_shapes(self.kv, self.stacked)
+        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in shapes]
+        if any(len(p) != sum(sizes) for p in payloads):
+            raise EvalError(f"a KV block payload is not {sum(sizes)} bytes")
+        axis, tree = (1 if self.stacked else 0), jax.tree.structure(self.kv)
+        for start in range(0, len(block_ids), kvcache.IO_BLOCKS):
+            chunk = list(payloads[start:start + kvcache.IO_BLOCKS])
+            [ids] = _io_chunks(block_ids[start:start + kvcache.IO_BLOCKS])
+            chunk += [chunk[-1]] * (kvcache.IO_BLOCKS - len(chunk))  # the padding's own block
+            leaves, at = [], 0
+            for (shape, dtype), size in zip(shapes, sizes):
+                rows = [np.frombuffer(p, dtype, size // np.dtype(dtype).itemsize, at)
+                        .reshape(shape) for p in chunk]
+                leaves.append(np.stack(rows, axis))
+                at += size
+            self.kv = scatter(self.kv, ids, jax.tree.unflatten(tree, leaves))
+
+    def _block_io(self):
+        if getattr(self, "_io", None) is None:
+            self._io = kvcache.block_io(self.kv, self.stacked)
+        return self._io
+
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
         outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
@@ -260,6 +306,15 @@ class JaxBackend(Backend):
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back),
                            cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored)
+
+
+def _io_chunks(block_ids: Sequence[int]) -> list[np.ndarray]:
+    """Block ids in kvcache.IO_BLOCKS-long int32 chunks, the last padded with its last id."""
+    out = []
+    for start in range(0, len(block_ids), kvcache.IO_BLOCKS):
+        ids = list(block_ids[start:start + kvcache.IO_BLOCKS])
+        out.append(np.asarray(ids + [ids[-1]] * (kvcache.IO_BLOCKS - len(ids)), np.int32))
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -170,3 +170,32 @@ def _fp16_nearest(amax: jax.Array) -> jax.Array:
                   jnp.where((d > 0) & ((amax < mid_down) | ((amax == mid_down) & even(down))),
                             down, d))
     return d
+
+
+# -- whole blocks in and out (kipp.engine.kv_disk) --------------------------------------------
+
+IO_BLOCKS = 16  # blocks per gather/scatter call: one compiled shape each way, padded
+
+
+def block_io(kv, stacked: bool):
+    """(gather, scatter) jitted for a slab like `kv`: gather(kv, ids [IO_BLOCKS]) -> the
+    blocks of every buffer (block axis 1 when `stacked`, else 0); scatter(kv, ids, blocks)
+    -> kv with them stored (kv donated; shardings kept)."""
+    axis = 1 if stacked else 0
+    shardings = jax.tree.map(lambda a: a.sharding, kv)
+
+    def gather(kv, ids):
+        return jax.tree.map(lambda a: jnp.take(a, ids, axis=axis), kv)
+
+    def scatter(kv, ids, blocks):
+        if stacked:
+            return jax.tree.map(lambda a, b: a.at[:, ids].set(b), kv, blocks)
+        return jax.tree.map(lambda a, b: a.at[ids].set(b), kv, blocks)
+
+    return jax.jit(gather), jax.jit(scatter, donate_argnums=0, out_shardings=shardings)
+
+
+def block_shapes(kv, stacked: bool) -> list[tuple[tuple[int, ...], object]]:
+    """(shape of one block, dtype) of every buffer of the slab, in tree order."""
+    axis = 1 if stacked else 0
+    return [(a.shape[:axis] + a.shape[axis + 1:], a.dtype) for a in jax.tree.leaves(kv)]

@@ -26,7 +26,7 @@ import itertools
 import struct
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kipp.backend import KV_BLOCK
 from kipp.errors import KippError
@@ -110,6 +110,11 @@ class BlockPool:
         self._reserved = 0
         self.hits = self.hit_tokens = self.published = self.evictions = 0
         self.tail_hits = 0
+        # called with [(block, digest, tokens)] of each publish's new full blocks, while they
+        # are still held (kipp.engine.kv_disk writes them behind)
+        self.on_publish: Callable[[list[tuple[int, bytes, tuple[int, ...]]]], None] | None = None
+        # called with (block, parent digest or None, tokens) of a newly published tail
+        self.on_tail: Callable[[int, bytes | None, tuple[int, ...]], None] | None = None
 
     num_blocks = property(lambda self: self._num_blocks)
     num_free = property(lambda self: len(self._free))
@@ -184,7 +189,7 @@ class BlockPool:
         full = len(tokens) // KV_BLOCK
         if len(block_table) < full:
             raise ValueError(f"block table has {len(block_table)} blocks, tokens fill {full}")
-        digest, parent, new = None, None, 0
+        digest, parent, new, fresh, tail_entry = None, None, 0, [], None
         for i in range(full):
             b = block_table[i]
             if self._ref[b] <= 0:
@@ -204,22 +209,29 @@ class BlockPool:
                 self._by_hash[digest] = owner = b
                 self._children.setdefault(parent, set()).add(b)
                 new += 1
+                fresh.append((b, digest, chunk))
             parent = self._meta[owner].serial
         else:
             if tail and len(tokens) > full * KV_BLOCK:
-                self._publish_tail(tokens[full * KV_BLOCK:], block_table[full], parent)
+                if self._publish_tail(tokens[full * KV_BLOCK:], block_table[full], parent):
+                    tail_entry = (block_table[full], digest, tuple(tokens[full * KV_BLOCK:]))
         self.published += new
+        if fresh and self.on_publish is not None:
+            self.on_publish(fresh)
+        if tail_entry is not None and self.on_tail is not None:  # after the blocks it continues
+            self.on_tail(*tail_entry)
         return new
 
-    def _publish_tail(self, tokens: Sequence[int], b: int, parent: int | None) -> None:
+    def _publish_tail(self, tokens: Sequence[int], b: int, parent: int | None) -> bool:
         if self._ref[b] != 1 or b in self._meta or b in self._tails:
-            return  # only a private block of the ending sequence becomes a tail
+            return False  # only a private block of the ending sequence becomes a tail
         entry = _Tail(parent, tuple(tokens))
         siblings = self._tails_by_parent.setdefault(parent, set())
         if any(self._tails[t] == entry for t in siblings):
-            return  # the same tail is cached already; this copy is freed on release
+            return False  # the same tail is cached already; this copy is freed on release
         self._tails[b] = entry
         siblings.add(b)
+        return True
 
     def match_tail(self, tokens: Sequence[int], table: Sequence[int],
                    limit: int) -> tuple[int | None, int]:

@@ -242,7 +242,7 @@ class Scheduler:
         return dict(queue_depth=len(self._fifo), active_requests=len(self._running),
                     active_sequences=sum(len(r.live) for r in list(self._running)),
                     pool=self.model.pool.stats(), pool_blocks=self.model.pool.num_blocks,
-                    **self._compiles(), **self.counters)
+                    disk=_disk_stats(self.model), **self._compiles(), **self.counters)
 
     def _compiles(self) -> dict:
         """Step programs the backend has compiled and their seconds (a compiling backend keeps
@@ -434,6 +434,12 @@ class Scheduler:
         if ticket.session is not None:
             self._borrowed.discard(id(ticket.session))
         ticket.put(event)
+
+
+def _disk_stats(model) -> dict | None:
+    """The KV disk tier's counters (kipp.engine.kv_disk), None without one."""
+    disk = getattr(model, "kv_disk", None)
+    return None if disk is None else disk.stats()
 
 
 def masks_ahead_for(model) -> bool:

@@ -127,9 +127,23 @@ class Session:
         usable = min(len(tokens) - 1, self.capacity)
         pool = self.model.pool
         blocks = pool.match_prefix(tokens, max_blocks=usable // KV_BLOCK)
+        disk = getattr(self.model, "kv_disk", None)  # kipp.engine.kv_disk: the blocks after
+        if disk is not None and len(blocks) < usable // KV_BLOCK:
+            try:
+                blocks = disk.extend(tokens, blocks, usable // KV_BLOCK)
+            except BaseException:
+                pool.release(blocks)
+                raise
         self.block_table = list(blocks)
         self.shared_blocks = len(blocks)
         tail, n = pool.match_tail(tokens, blocks, usable - len(blocks) * KV_BLOCK)
+        if tail is None and disk is not None and len(blocks) == usable // KV_BLOCK:
+            try:
+                tail, n = disk.tail(tokens, blocks, usable - len(blocks) * KV_BLOCK)
+            except BaseException:
+                self.block_table, self.shared_blocks = [], 0
+                pool.release(blocks)
+                raise
         if tail is not None:
             self.block_table.append(tail)
         self.tokens = list(tokens[: len(blocks) * KV_BLOCK + n])

@@ -77,6 +77,28 @@ class _SchedulerCollector:
                 if key.startswith(prefix):
                     family.add_metric([key[len(prefix):]], value)
             yield family
+        yield from _disk_metrics(s.get("disk"))
+
+
+def _disk_metrics(disk: dict | None):
+    """The KV disk tier (kipp.engine.kv_disk); nothing without one."""
+    if disk is None:
+        return
+    for key, doc in (("hits", "KV blocks restored from the disk tier"),
+                     ("misses", "Disk tier lookups past a prefix that found no block file"),
+                     ("bytes_read", "Bytes of block files read back"),
+                     ("bytes_written", "Bytes of block files written"),
+                     ("evictions", "Block files removed to keep the tier under its size"),
+                     ("bad_blocks", "Block files refused (truncated, corrupt, foreign) and "
+                      "recomputed"),
+                     ("dropped", "Blocks not written: the writer's queue was full"),
+                     ("write_errors", "Blocks not written: the disk refused (full, read-only)"),
+                     ("restored_tokens", "Prompt tokens whose KV came from the disk tier")):
+        yield CounterMetricFamily(f"kipp_kv_disk_{key}", doc, value=disk[key])
+    yield GaugeMetricFamily("kipp_kv_disk_bytes", "Bytes of block files in the tier folder",
+                            value=disk["used_bytes"])
+    yield GaugeMetricFamily("kipp_kv_disk_limit_bytes", "The tier's size bound",
+                            value=disk["limit_bytes"])
 
 
 class Metrics:

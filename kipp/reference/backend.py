@@ -68,6 +68,29 @@ class ReferenceBackend(Backend):
         """KV slab bytes one token takes (all layers, K and V): 136 vs 256 per head-row."""
         return self.entry.layers * 2 * KV_HEADS * self.k_cache.row_bytes
 
+    supports_kv_io = True
+
+    def kv_identity(self) -> str:
+        return f"reference numpy {np.__version__} kv {np.dtype(self.k_cache.dtype).name}"
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return KV_BLOCK * self.kv_bytes_per_token
+
+    def read_blocks(self, block_ids: Sequence[int]):
+        payloads = [self.k_cache.block_bytes(b) + self.v_cache.block_bytes(b)
+                    for b in block_ids]  # copied now: the slab changes in place
+        return lambda: payloads
+
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        half = self.kv_block_bytes // 2
+        for b, payload in zip(block_ids, payloads):
+            if len(payload) != 2 * half:
+                raise KippError(f"a KV block payload of {len(payload)} bytes, expected "
+                                f"{2 * half}")
+            self.k_cache.set_block(b, payload[:half])
+            self.v_cache.set_block(b, payload[half:])
+
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
         tokens = np.concatenate([np.asarray(item.tokens, np.int64) for item in items])
@@ -142,6 +165,28 @@ class KVSlab:
             self.d = np.zeros(shape[:-1] + (kvquant.ROW_BLOCKS,), np.float16)
         else:
             self.values = np.zeros(shape, dtype)
+
+    @property
+    def dtype(self):
+        return np.int8 if self.scheme == "q8_0" else self.values.dtype
+
+    def planes(self) -> list[np.ndarray]:
+        return [self.q, self.d] if self.scheme == "q8_0" else [self.values]
+
+    def block_bytes(self, block: int) -> bytes:
+        """Block `block`'s rows of every layer, each plane in turn (a copy)."""
+        rows = slice(block * KV_BLOCK, (block + 1) * KV_BLOCK)
+        return b"".join(plane[:, rows].tobytes() for plane in self.planes())
+
+    def set_block(self, block: int, data: bytes) -> None:
+        """The inverse of block_bytes."""
+        rows, at = slice(block * KV_BLOCK, (block + 1) * KV_BLOCK), 0
+        for plane in self.planes():
+            shape = (plane.shape[0], KV_BLOCK) + plane.shape[2:]
+            size = int(np.prod(shape)) * plane.itemsize
+            plane[:, rows] = np.frombuffer(data, plane.dtype, size // plane.itemsize,
+                                           at).reshape(shape)
+            at += size
 
     @property
     def row_bytes(self) -> int:

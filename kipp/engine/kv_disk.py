@@ -1,0 +1,578 @@
+"""The KV disk tier: published full blocks kept in files, so a prefix survives restarts and
+outgrows the RAM pool.
+
+    tier = DiskTier(folder, namespace, block_bytes, limit_bytes)
+    disk = KVDisk(tier, backend, pool)     # hooks pool.publish: new blocks are written behind
+    table = disk.extend(tokens, table, limit)   # after pool.match_prefix: blocks from disk
+
+A block file is named by the pool's chained block hash (kipp.engine.blocks.block_hash) inside a
+namespace folder; the namespace digests everything that makes the bytes differ: the artifact's
+checksum, the KV scheme and the backend's numerics (Backend.kv_identity). A file holds a header
+(magic, namespace, digest, the block's 32 token ids, payload length), the backend's payload and
+a CRC-32 of all of it; a file failing any check is deleted, counted and recomputed, never used.
+
+A finished sequence's partial last block (the pool's tail) is kept too, one file per parent
+(`tail-<key>.kvb`, the latest replacing the last), so a repeated prompt after a restart
+evaluates only its last token, as it would in RAM.
+
+Writes run on one background thread behind a bounded queue (64 jobs, 1 GiB of payloads beyond
+the first job; a full queue drops the job and counts it): temp name, then rename, so a killed
+process leaves no half file under a real name; two processes writing the same block write the
+same bytes (content addressing), the rename of the second just replaces the first. The folder
+is size-bounded: the least recently used files (by mtime, refreshed on every hit) go first.
+Any OSError (full disk, read-only folder) is counted and the tier keeps serving from what it
+has: the server never fails for its disk.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import enum
+import functools
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kipp.backend import KV_BLOCK
+from kipp.engine.blocks import block_hash
+from kipp.errors import KippError
+
+log = logging.getLogger("kipp.kv_disk")
+
+MAGIC = b"KIPPKV1\0"
+SUFFIX = ".kvb"
+TAIL = "tail-"  # a partial last block's file: tail-<key of its parent>.kvb
+NO_TOKEN = 0xFFFFFFFF  # pads a tail's token slots
+LABEL = "label.txt"  # in each namespace folder: the artifact, KV scheme and backend
+_HEADER = struct.Struct(f"<8s16s16s{KV_BLOCK}IQ")
+_CRC = struct.Struct("<I")
+QUEUE_JOBS = 64  # publications waiting for the writer; more are dropped (counted)
+QUEUE_BYTES = 1 << 30  # payload bytes they may hold (device memory, on a GPU) beyond the first
+DEFAULT_SHARE = 0.25  # of the free disk, when --kv-disk-mib is not given
+DEFAULT_CAP = 32 << 30
+
+
+class TierError(KippError, ValueError):
+    """A disk-tier setting that cannot work (names the flag)."""
+
+
+class Bad(enum.Enum):
+    """Why a block file was refused."""
+
+    SHORT = "truncated"
+    MAGIC = "not a Kipp KV block"
+    NAMESPACE = "another artifact, KV scheme or backend's block"
+    KEY = "another block's content"
+    CHECKSUM = "checksum mismatch"
+
+
+@dataclass(frozen=True)
+class _Job:
+    keys: tuple[tuple[bytes, tuple[int, ...]], ...]  # (digest, tokens) per block
+    fetch: Callable[[], list[bytes]]  # the payloads, read off the backend in the writer
+
+
+def namespace(*parts: str) -> bytes:
+    """The 16-byte digest of what makes KV bytes differ (artifact, KV scheme, numerics)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part.encode() + b"\0")
+    return h.digest()
+
+
+def artifact_checksum(path: Path, memo: Path | None = None) -> str:
+    """blake2b of the artifact file's bytes (what identifies the weights), memoized in `memo`
+    (a JSON file in the tier's folder) by path, size and mtime: hashed once per file."""
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    known = {}
+    if memo is not None:
+        try:
+            known = json.loads(memo.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if isinstance(known, dict) and isinstance(known.get(key), str):
+            return known[key]
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    if memo is not None:
+        try:
+            known = dict(known) if isinstance(known, dict) else {}
+            known[key] = h.hexdigest()
+            tmp = memo.with_name(f".tmp-{os.getpid()}-memo")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, memo)
+        except OSError:
+            pass  # a read-only folder: hash again next time
+    return h.hexdigest()
+
+
+READERS = 4  # block files read and checked at once on a restore
+
+
+@functools.cache
+def _readers() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix="kipp-kv-read")
+
+
+def tail_key(parent: bytes | None) -> bytes:
+    """The name of the tail after `parent` (None: a tail holding position 0)."""
+    return hashlib.blake2b(b"tail" + (parent or b""), digest_size=16).digest()
+
+
+def default_limit(folder: Path) -> int:
+    """A quarter of the free disk under `folder`, at most 32 GiB."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int(min(shutil.disk_usage(probe).free * DEFAULT_SHARE, DEFAULT_CAP))
+
+
+class DiskTier:
+    """Block files of one namespace in `folder` (others' namespaces share the size bound)."""
+
+    def __init__(self, folder: Path, space: bytes, block_bytes: int, limit_bytes: int,
+                 label: str = ""):
+        if limit_bytes < 0:
+            raise TierError(f"--kv-disk-mib must be >= 0, got {limit_bytes / 2**20:g}")
+        self.root = Path(folder)
+        self.space = space
+        self.dir = self.root / space.hex()
+        self.block_bytes = block_bytes
+        self.file_bytes = _HEADER.size + block_bytes + _CRC.size
+        self.limit = limit_bytes
+        self.counters = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, writes=0,
+                             evictions=0, bad_blocks=0, dropped=0, write_errors=0)
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._sizes: dict[Path, int] = {}  # every block file under root, oldest first
+        self._queue: queue.Queue[_Job | None] = queue.Queue(QUEUE_JOBS)
+        self._tmp = 0
+        self._queued = 0  # payload bytes of the queued jobs
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if label and not (self.dir / LABEL).exists():  # what `kipp cache ls` names it by
+                (self.dir / LABEL).write_text(label + "\n")
+        except OSError as e:
+            self._error(f"cannot write in {self.dir}: {e.strerror}")
+        self._scan()
+        self._thread = threading.Thread(target=self._writer, name="kipp-kv-disk", daemon=True)
+        self._thread.start()
+        atexit.register(self.flush, 10.0)  # a short-lived process still leaves its blocks
+
+    def path(self, digest: bytes) -> Path:
+        return self.dir / (digest.hex() + SUFFIX)
+
+    def tail_path(self, parent: bytes | None) -> Path:
+        return self.dir / (TAIL + tail_key(parent).hex() + SUFFIX)
+
+    def has(self, digest: bytes) -> bool:
+        with self._lock:
+            return self.path(digest) in self._sizes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    @property
+    def files(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def stats(self) -> dict:
+        return dict(self.counters, files=self.files, used_bytes=self.used_bytes,
+                    limit_bytes=self.limit, queued=self._queue.qsize())
+
+    # -- reading (the engine thread, before prefill) --------------------------------------------
+
+    def read_run(self, tokens: Sequence[int], start: int, stop: int) -> list[bytes]:
+        """Payloads of blocks start..stop-1 of `tokens` found on disk, in order, up to the first
+        missing or bad one. Files are read and checked READERS at a time (file reads and CRC-32
+        release the GIL), in order; those past the first failure are not counted."""
+        digest, keys = None, []
+        for i in range(stop):
+            chunk = tuple(tokens[i * KV_BLOCK:(i + 1) * KV_BLOCK])
+            digest = block_hash(digest, chunk)
+            if i >= start:
+                keys.append((digest, chunk))
+        out = []
+        for at in range(0, len(keys), READERS):
+            batch = keys[at:at + READERS]
+            loaded = list(_readers().map(lambda key: self._load(*key), batch))
+            for (digest, chunk), found in zip(batch, loaded):
+                payload = self._settle(self.path(digest), found)
+                if payload is None:
+                    return out
+                out.append(payload)
+        return out
+
+    def tail_tokens(self, parent: bytes | None) -> tuple[int, ...] | None:
+        """The tokens named in the header of `parent`'s tail file (unverified), or None."""
+        try:
+            with open(self.tail_path(parent), "rb") as f:
+                head = f.read(_HEADER.size)
+        except OSError:
+            return None
+        if len(head) != _HEADER.size:
+            return None
+        return tuple(t for t in _HEADER.unpack(head)[3:3 + KV_BLOCK] if t != NO_TOKEN)
+
+    def read_tail(self, parent: bytes | None) -> tuple[bytes, tuple[int, ...]] | None:
+        """(payload, tokens) of the partial block last published after `parent`, or None."""
+        found = self.read(tail_key(parent), None, self.tail_path(parent))
+        return found
+
+    def read(self, digest: bytes, chunk: tuple[int, ...] | None,
+             path: Path | None = None):
+        """A verified block's payload (a tail's: (payload, tokens), `chunk` None), or None."""
+        path = self.path(digest) if path is None else path
+        return self._settle(path, self._load(digest, chunk, path))
+
+    def _load(self, digest: bytes, chunk, path: Path | None = None):
+        """(data, why it is bad or None, chunk) of a block file; None when it is missing."""
+        path = self.path(digest) if path is None else path
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.file_bytes + 1)
+        except OSError:
+            return None
+        return data, self._check(data, digest, chunk), chunk
+
+    def _settle(self, path: Path, found):
+        """Count a loaded file, drop a bad one; its payload (a tail's with its tokens)."""
+        if found is None:
+            self.counters["misses"] += 1
+            return None
+        data, bad, chunk = found
+        if bad is not None:
+            log.warning("KV block file %s dropped: %s", path.name, bad.value)
+            self.counters["bad_blocks"] += 1
+            self._remove(path)
+            return None
+        self.counters["hits"] += 1
+        self.counters["bytes_read"] += len(data)
+        try:
+            os.utime(path)  # most recently used
+        except OSError:
+            pass
+        with self._lock:
+            self._sizes.pop(path, None)
+            self._sizes[path] = len(data)
+        payload = memoryview(data)[_HEADER.size:_HEADER.size + self.block_bytes]
+        if chunk is None:
+            tokens = _HEADER.unpack_from(data)[3:3 + KV_BLOCK]
+            return payload, tuple(t for t in tokens if t != NO_TOKEN)
+        return payload
+
+    def _check(self, data: bytes, digest: bytes, chunk: tuple[int, ...] | None) -> Bad | None:
+        if len(data) != self.file_bytes:
+            return Bad.SHORT
+        magic, space, key, *rest = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            return Bad.MAGIC
+        if space != self.space:
+            return Bad.NAMESPACE
+        if chunk is None:  # a tail: 1..31 tokens, then padding
+            n = KV_BLOCK - rest[:KV_BLOCK].count(NO_TOKEN)
+            chunk = tuple(rest[:n]) + (NO_TOKEN,) * (KV_BLOCK - n) if 0 < n < KV_BLOCK else ()
+        if key != digest or tuple(rest[:KV_BLOCK]) != chunk or rest[KV_BLOCK] != self.block_bytes:
+            return Bad.KEY
+        (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+        if zlib.crc32(memoryview(data)[:-_CRC.size]) != crc:
+            return Bad.CHECKSUM
+        return None
+
+    # -- writing (the writer thread) ------------------------------------------------------------
+
+    def admits(self, blocks: int) -> bool:
+        """Whether a job of `blocks` would be queued; if not, it is counted as dropped."""
+        with self._lock:
+            fits = self._queued == 0 or self._queued + blocks * self.block_bytes <= QUEUE_BYTES
+        if not fits or self._queue.full():
+            self.counters["dropped"] += blocks
+            return False
+        return True
+
+    def submit(self, keys: Sequence[tuple[bytes, tuple[int, ...]]],
+               fetch: Callable[[], list[bytes]]) -> bool:
+        """Queue blocks to write; False (counted in `dropped`) when the queue is full."""
+        size = len(keys) * self.block_bytes
+        try:
+            self._queue.put_nowait(_Job(tuple(keys), fetch))
+        except queue.Full:
+            self.counters["dropped"] += len(keys)
+            return False
+        with self._lock:
+            self._queued += size
+        return True
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued write is done (tests, cache-prompt, exit)."""
+        done = threading.Event()
+        try:
+            self._queue.put((done.set, None), timeout=timeout)  # a marker job
+        except queue.Full:
+            return
+        done.wait(timeout)
+
+    def _writer(self) -> None:
+        while True:
+            job = self._queue.get()
+            if isinstance(job, tuple):
+                job[0]()
+                continue
+            try:
+                payloads = job.fetch()
+            except Exception as e:  # the backend could not hand the bytes over: drop the job
+                log.warning("KV blocks not written: %s", e)
+                self.counters["write_errors"] += len(job.keys)
+                payloads = []
+            with self._lock:
+                self._queued -= len(job.keys) * self.block_bytes
+            for (digest, chunk), payload in zip(job.keys, payloads):
+                if len(chunk) < KV_BLOCK:  # a tail: its digest is its parent's
+                    self._write(tail_key(digest or None), chunk, payload,
+                                self.tail_path(digest or None))
+                else:
+                    self._write(digest, chunk, payload)
+            self._evict()
+
+    def _write(self, digest: bytes, chunk: tuple[int, ...], payload: bytes,
+               path: Path | None = None) -> None:
+        tail = path is not None  # a tail replaces the last one of its parent
+        path = self.path(digest) if path is None else path
+        if len(payload) != self.block_bytes or (path.exists() and not tail):
+            return  # another process (or an earlier job) wrote it: content-addressed
+        if tail:
+            chunk = tuple(chunk) + (NO_TOKEN,) * (KV_BLOCK - len(chunk))
+        body = _HEADER.pack(MAGIC, self.space, digest, *chunk, len(payload)) + payload
+        data = body + _CRC.pack(zlib.crc32(body))
+        self._tmp += 1
+        tmp = self.dir / f".tmp-{os.getpid()}-{self._tmp}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            self._error(f"cannot write {path.name}: {e.strerror}")
+            self.counters["write_errors"] += 1
+            self._remove(tmp, evicted=False)
+            return
+        self.counters["writes"] += 1
+        self.counters["bytes_written"] += len(data)
+        with self._lock:
+            self._sizes[path] = len(data)
+
+    def _evict(self) -> None:
+        while True:
+            with self._lock:
+                if sum(self._sizes.values()) <= self.limit or not self._sizes:
+                    return
+                path = next(iter(self._sizes))
+            self._remove(path)
+            self.counters["evictions"] += 1
+
+    def _remove(self, path: Path, evicted: bool = True) -> None:
+        with self._lock:
+            self._sizes.pop(path, None)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._error(f"cannot remove {path.name}: {e.strerror}")
+
+    def _scan(self) -> None:
+        """Index every block file under root, oldest first; sweep this process's stale temps
+        (a killed process leaves only .tmp-* names, never a half file under a block name)."""
+        found = []
+        try:
+            for sub in self.root.iterdir():
+                if not sub.is_dir():
+                    continue
+                for entry in os.scandir(sub):
+                    if entry.name.endswith(SUFFIX):
+                        st = entry.stat()
+                        found.append((st.st_mtime_ns, Path(entry.path), st.st_size))
+                    elif entry.name.startswith(".tmp-") and _stale(entry.name):
+                        self._remove(Path(entry.path), evicted=False)
+        except OSError as e:
+            self._error(f"cannot list {self.root}: {e.strerror}")
+        for _, path, size in sorted(found):
+            self._sizes[path] = size
+
+    def _error(self, message: str) -> None:
+        if message != self.last_error:
+            log.warning("KV disk tier: %s", message)
+        self.last_error = message
+
+
+def _stale(name: str) -> bool:
+    """A temp file whose writing process is gone (killed mid-write)."""
+    try:
+        pid = int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """{namespace label: (block files, bytes)} of a tier folder (`kipp cache ls`)."""
+    out: dict[str, tuple[int, int]] = {}
+    if not Path(folder).is_dir():
+        return out
+    for sub in sorted(Path(folder).iterdir()):
+        if not sub.is_dir():
+            continue
+        sizes = [e.stat().st_size for e in os.scandir(sub) if e.name.endswith(SUFFIX)]
+        try:
+            label = (sub / LABEL).read_text().strip()
+        except OSError:
+            label = sub.name
+        out[label or sub.name] = (len(sizes), sum(sizes))
+    return out
+
+
+def clear(folder: Path) -> tuple[int, int]:
+    """Remove every block file (and temp file) of a tier folder; (files, bytes) removed."""
+    files = size = 0
+    if not Path(folder).is_dir():
+        return 0, 0
+    for sub in Path(folder).iterdir():
+        if not sub.is_dir():
+            continue
+        for entry in os.scandir(sub):
+            if entry.name.endswith(SUFFIX) or entry.name.startswith(".tmp-"):
+                try:
+                    n = entry.stat().st_size
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise TierError(f"cannot clear {folder}: {e}") from None
+                files, size = files + entry.name.endswith(SUFFIX), size + n
+    return files, size
+
+
+class KVDisk:
+    """The tier bound to one model's backend and pool: writes what the pool publishes, and
+    restores a prompt's next blocks before prefill."""
+
+    def __init__(self, tier: DiskTier, backend, pool):
+        self.tier, self.backend, self.pool = tier, backend, pool
+        self.restored_tokens = 0
+        pool.on_publish = self._published
+        pool.on_tail = self._tail_published
+
+    def _tail_published(self, block: int, parent: bytes | None, tokens: tuple[int, ...]):
+        """A finished sequence's partial last block: written under its parent's tail name,
+        so a repeated prompt after a restart evaluates only its last token, as in RAM."""
+        if self.tier.limit < self.tier.file_bytes or self.tier.tail_tokens(parent) == tokens:
+            return  # no room, or this very tail is there already (a repeated prompt's)
+        if not self.tier.admits(1):
+            return
+        try:
+            fetch = self.backend.read_blocks([block])
+        except Exception as e:
+            log.warning("KV tail not written: %s", e)
+            self.tier.counters["write_errors"] += 1
+            return
+        self.tier.submit([(parent or b"", tokens)], fetch)
+
+    def _published(self, entries: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
+        """New pool publications (block, digest, tokens): their KV is read off the backend
+        now (an async gather where the backend can) and written by the writer thread."""
+        new = [e for e in entries if not self.tier.has(e[1])]
+        if not new:
+            return
+        if self.tier.limit < self.tier.file_bytes or not self.tier.admits(len(new)):
+            return
+        try:
+            fetch = self.backend.read_blocks([b for b, _, _ in new])
+        except Exception as e:
+            log.warning("KV blocks not written: %s", e)
+            self.tier.counters["write_errors"] += len(new)
+            return
+        self.tier.submit([(d, t) for _, d, t in new], fetch)
+
+    def extend(self, tokens: Sequence[int], table: list[int], limit: int) -> list[int]:
+        """`table` (the pool's match for `tokens`) extended by the next blocks found on disk,
+        up to `limit` blocks: allocated, filled and published in the pool, held by the caller.
+        Leaves the pool unchanged (returns `table`) when nothing can be restored."""
+        room = self.pool.num_available - self.pool.reserved
+        stop = min(limit, len(table) + room)
+        if stop <= len(table):
+            return table
+        payloads = self.tier.read_run(tokens, len(table), stop)
+        if not payloads:
+            return table
+        new = self.pool.allocate(len(payloads))
+        try:
+            self.backend.write_blocks(new, payloads)
+            full = list(table) + new
+            self.pool.publish(tokens[:len(full) * KV_BLOCK], full)
+        except BaseException:
+            self.pool.release(new)
+            raise
+        self.restored_tokens += len(new) * KV_BLOCK
+        return full
+
+    def tail(self, tokens: Sequence[int], table: list[int], limit: int) -> tuple[int | None, int]:
+        """After `table` (every full block of the prompt it can hold), the cached partial block
+        on disk that continues it, as BlockPool.match_tail: (a private block of the caller,
+        the n <= limit tokens it agrees on), or (None, 0)."""
+        parent = None
+        for i in range(len(table)):
+            parent = block_hash(parent, tokens[i * KV_BLOCK:(i + 1) * KV_BLOCK])
+        start = len(table) * KV_BLOCK
+        want = tuple(tokens[start:start + min(limit, KV_BLOCK - 1)])
+        if not want or self.pool.num_available - self.pool.reserved < 1:
+            return None, 0
+        found = self.tier.read_tail(parent)
+        if found is None:
+            return None, 0
+        payload, have = found
+        n = 0
+        for x, y in zip(have, want):
+            if x != y:
+                break
+            n += 1
+        if not n:
+            return None, 0
+        [block] = self.pool.allocate(1)
+        try:
+            self.backend.write_blocks([block], [payload])
+        except BaseException:
+            self.pool.release([block])
+            raise
+        self.restored_tokens += n
+        return block, n
+
+    def stats(self) -> dict:
+        return dict(self.tier.stats(), restored_tokens=self.restored_tokens)
+
+    def describe(self) -> str:
+        s = self.tier.stats()
+        return (f"{s['files']:,} blocks, {s['used_bytes'] / 2**20:,.1f} of "
+                f"{s['limit_bytes'] / 2**20:,.0f} MiB in {self.tier.root}")
