@@ -91,7 +91,8 @@ def kipp_server(artifact: str, *, backend: str, python: str, threads: int, schem
     32-token KV blocks."""
     port = free_port()
     command = [python, "-m", "kipp.cli", "serve", str(artifact), "--backend", backend,
-               "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(max_batch)]
+               "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(max_batch),
+               "--kv-disk-mib", "0"]  # the peers' prefix caches live in RAM: so does this one
     if kv_tokens:
         command += ["--kv-tokens", str(kv_tokens)]
     return ServerSpec(

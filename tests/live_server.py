@@ -12,12 +12,13 @@ import urllib.request
 
 class LiveServer:
     """`kipp serve ARTIFACT --backend reference --port 0 ARGS...` in a subprocess, ready once it
-    prints the port and /health answers; raw HTTP helpers and an `openai` client."""
+    prints the port and /health answers; raw HTTP helpers and an `openai` client. The KV disk
+    tier is off unless ARGS turn it on (a later flag wins), so no test reads another's blocks."""
 
     def __init__(self, artifact, *args):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kipp.cli", "serve", str(artifact), "--backend", "reference",
-             "--port", "0", *args], stderr=subprocess.PIPE, text=True)
+             "--port", "0", "--kv-disk-mib", "0", *args], stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
         self.log = []
         while time.time() < deadline:
