@@ -152,6 +152,23 @@ class Backend(ABC):
         blocks; afterwards those positions read exactly as they did where they were saved."""
         raise NotImplementedError(f"the {self.name} backend does not import KV blocks")
 
+    def _read_split_blocks(self, k_cache, v_cache, block_ids: Sequence[int]):
+        """read_blocks for a backend whose K and V caches each copy one block's bytes out
+        (`block_bytes`) and in (`set_block`): a payload is K's bytes, then V's."""
+        payloads = [k_cache.block_bytes(b) + v_cache.block_bytes(b)
+                    for b in block_ids]  # copied now: the slab is updated in place
+        return lambda: payloads
+
+    def _write_split_blocks(self, k_cache, v_cache, block_ids: Sequence[int],
+                            payloads: Sequence[bytes]) -> None:
+        half = self.kv_block_bytes // 2
+        for b, payload in zip(block_ids, payloads):
+            if len(payload) != 2 * half:
+                raise EvalError(f"a KV block payload of {len(payload)} bytes, expected "
+                                f"{2 * half}")
+            k_cache.set_block(b, payload[:half])
+            v_cache.set_block(b, payload[half:])
+
     @abstractmethod
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         """Run every item; return float32 logits [item.logits_rows, 151936] per item."""

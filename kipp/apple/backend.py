@@ -25,7 +25,7 @@ import numpy as np
 
 from kipp import memory, probe
 from kipp.apple import select
-from kipp.backend import KV_BLOCK, Backend, EvalError, EvalItem, blocks_needed
+from kipp.backend import KV_BLOCK, Backend, EvalItem, blocks_needed
 from kipp.engine.rounds import Piece, plan_rounds
 from kipp.errors import KippError
 from kipp.formats.artifact import Artifact
@@ -128,18 +128,10 @@ class MLXBackend(Backend):
             self.num_blocks * KV_BLOCK)
 
     def read_blocks(self, block_ids: Sequence[int]):
-        payloads = [self.k_cache.block_bytes(b) + self.v_cache.block_bytes(b)
-                    for b in block_ids]  # copied now: the slab is updated in place
-        return lambda: payloads
+        return self._read_split_blocks(self.k_cache, self.v_cache, block_ids)
 
     def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        half = self.kv_block_bytes // 2
-        for b, payload in zip(block_ids, payloads):
-            if len(payload) != 2 * half:
-                raise EvalError(f"a KV block payload of {len(payload)} bytes, expected "
-                                f"{2 * half}")
-            self.k_cache.set_block(b, payload[:half])
-            self.v_cache.set_block(b, payload[half:])
+        self._write_split_blocks(self.k_cache, self.v_cache, block_ids, payloads)
 
     @property
     def weight_bytes(self) -> int:

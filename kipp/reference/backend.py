@@ -78,18 +78,10 @@ class ReferenceBackend(Backend):
         return KV_BLOCK * self.kv_bytes_per_token
 
     def read_blocks(self, block_ids: Sequence[int]):
-        payloads = [self.k_cache.block_bytes(b) + self.v_cache.block_bytes(b)
-                    for b in block_ids]  # copied now: the slab changes in place
-        return lambda: payloads
+        return self._read_split_blocks(self.k_cache, self.v_cache, block_ids)
 
     def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        half = self.kv_block_bytes // 2
-        for b, payload in zip(block_ids, payloads):
-            if len(payload) != 2 * half:
-                raise KippError(f"a KV block payload of {len(payload)} bytes, expected "
-                                f"{2 * half}")
-            self.k_cache.set_block(b, payload[:half])
-            self.v_cache.set_block(b, payload[half:])
+        self._write_split_blocks(self.k_cache, self.v_cache, block_ids, payloads)
 
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
