@@ -76,12 +76,12 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
 
 
 def measure(target, drafts: dict, args) -> dict:
-    from kipp.engine.spec import SpecConfig
+    from kipp.engine.draft import spec_config
 
     results = {}
     for r in range(args.warmup + args.runs):
         for agree, draft in drafts.items():
-            spec = SpecConfig.model(draft, target)
+            spec = spec_config(draft, target)
             for temperature in (0.0, 0.7):
                 for streams in args.streams:
                     ps = prompts(target, streams, seed=r)

@@ -26,6 +26,7 @@ from kipp.backend import KV_BLOCK, blocks_needed
 from kipp.chooser import BACKENDS, choose_backend, open_backend  # noqa: F401  (BACKENDS: API)
 from kipp.display import count, html_view, text_view
 from kipp.engine.blocks import BlockPool
+from kipp.engine.draft import spec_config
 from kipp.engine.session import Session, SessionError
 from kipp.engine.spec import SpecConfig
 from kipp.errors import KippError, require
@@ -211,7 +212,7 @@ class Model:
             self.draft = self.draft_spec = None
             return
         gate = {} if sizes is None else {"sizes": sizes}
-        self.draft_spec = SpecConfig.model(draft, self, **gate)
+        self.draft_spec = spec_config(draft, self, **gate)
         self.draft = draft
 
     def attach_kv_disk(self, folder: str | Path, mib: float | None = None):

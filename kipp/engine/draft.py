@@ -15,13 +15,14 @@ for the whole batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
 
-from kipp.engine.spec import SpecError
+from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig, SpecError
 from kipp.text.grammar import GrammarError, Matcher
 from kipp.text.sampling import Sampler, SamplingParams
 
@@ -42,6 +43,17 @@ def check_draft_model(target, draft) -> None:
     if type(draft.backend) is not type(target.backend):
         raise SpecError(f"draft model {draft.entry.id} runs on {draft.backend.describe()}, the "
                         f"target on {target.backend.describe()}: load both on one backend")
+
+
+def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
+    """Draft with `draft_model` (prompt lookup first with `lookup`), gated by an AdaptiveGate
+    that counts a draft token's cost (draft_cost) when the `target` is given (and checked
+    against it); `gate` overrides AdaptiveGate's fields."""
+    if target is not None:
+        check_draft_model(target, draft_model)
+        gate.setdefault("draft_cost", draft_cost(target, draft_model))
+    return SpecConfig(drafter=PromptLookupDrafter if lookup else None,
+                      gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
 
 def draft_cost(target, draft) -> float:

@@ -15,7 +15,6 @@ while the acceptance it has seen pays for it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -161,26 +160,14 @@ class SpecConfig:
     SpecConfig(): prompt-lookup drafts, the CPU-calibrated adaptive gate.
 
     `draft_model` (a kipp Model sharing the target's tokenizer) drafts by sampling it
-    (kipp.engine.draft); with a `drafter` too, that one is asked first and the model drafts
+    (kipp.engine.draft, whose `spec_config` checks the pair and sets the gate's draft cost);
+    with a `drafter` too, that one is asked first and the model drafts
     when it has nothing. A SpecConfig verifies sampled requests too, exactly
     (kipp.text.sampling.Sampler.verify); `speculative=True` stays greedy only."""
 
     drafter: Callable[[], Drafter] | None = PromptLookupDrafter
     gate: Callable[[], AdaptiveGate] = AdaptiveGate
     draft_model: Any = None
-
-    @classmethod
-    def model(cls, draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
-        """Draft with `draft_model` (prompt lookup first with `lookup`), gated by an
-        AdaptiveGate that counts a draft token's cost (kipp.engine.draft.draft_cost) when the
-        `target` is given; `gate` overrides AdaptiveGate's fields."""
-        from kipp.engine import draft
-
-        if target is not None:
-            draft.check_draft_model(target, draft_model)
-            gate.setdefault("draft_cost", draft.draft_cost(target, draft_model))
-        return cls(drafter=PromptLookupDrafter if lookup else None,
-                   gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
 
 @dataclass
