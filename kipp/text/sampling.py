@@ -273,6 +273,17 @@ def _draw_nonzero(w: np.ndarray, u: float) -> int:
     return _draw_from(ids, w[ids], u)
 
 
+def _normalised(size: int, ids: np.ndarray | None, w: np.ndarray) -> np.ndarray:
+    """The kept weights (over `ids`; None: every id) as a float64 distribution [size]."""
+    out = np.zeros(size, dtype=np.float64)
+    if ids is None:
+        out[:] = w[:size]
+    else:
+        out[ids] = w
+    out /= out.sum()
+    return out
+
+
 def _draw_full(w: np.ndarray, u: float) -> int:
     """Inverse CDF over every id of w (length a multiple of _BLOCK, padded with zeros)."""
     blocks = w.reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
@@ -357,16 +368,11 @@ class Sampler:
         """The distribution `sample` draws from (steps 1-8 without the draw), float64 [vocab]:
         one-hot at the argmax when greedy. Draws nothing from the RNG."""
         x, ids, w = self._weights_for(logits, recent_tokens, allowed)
-        out = np.zeros(x.size, dtype=np.float64)
         if w is None:
+            out = np.zeros(x.size, dtype=np.float64)
             out[int(np.argmax(x))] = 1.0
             return out
-        if ids is None:
-            out[:] = w
-        else:
-            out[ids] = w
-        out /= out.sum()
-        return out
+        return _normalised(x.size, ids, w)
 
     def draw(self, probabilities: np.ndarray) -> int:
         """One id from a distribution over the vocab (float64, sums to 1), one uniform."""
@@ -384,12 +390,7 @@ class Sampler:
         x, ids, w = self._weights_for(logits, recent_tokens, allowed)
         if w is None:
             return int(np.argmax(x))
-        p = np.zeros(x.size, dtype=np.float64)
-        if ids is None:
-            p[:] = w
-        else:
-            p[ids] = w
-        p /= p.sum()
+        p = _normalised(x.size, ids, w)
         q_token = 1.0 if draft is None else float(draft[token])
         if self.rng.random() * q_token < p[token]:  # u < p/q, without dividing by q
             return int(token)
