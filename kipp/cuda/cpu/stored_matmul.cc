@@ -419,23 +419,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulBf16, Bf16,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulQ8_0, Q8_0,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // w: int8 q
-                                  .Arg<ffi::AnyBuffer>()  // d: fp16 (or its bits)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+// q8_0 and scale4_gs32 take the same buffers: x, w (int8 q or uint8 nibbles), d (fp16 or its
+// bits), layer -> y.
+static auto ScaledBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulScale4, Scale4,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // w: uint8 nibbles
-                                  .Arg<ffi::AnyBuffer>()  // d: fp16 (or its bits)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulQ8_0, Q8_0, ScaledBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulScale4, Scale4, ScaledBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulAffine4, Affine4,
                               ffi::Ffi::Bind()
