@@ -190,18 +190,16 @@ class JaxBackend(Backend):
         sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in shapes]
         if any(len(p) != sum(sizes) for p in payloads):
             raise EvalError(f"a KV block payload is not {sum(sizes)} bytes")
-        axis, tree = (1 if self.stacked else 0), jax.tree.structure(self.kv)
         for start in range(0, len(block_ids), kvcache.IO_BLOCKS):
             chunk = list(payloads[start:start + kvcache.IO_BLOCKS])
             [ids] = _io_chunks(block_ids[start:start + kvcache.IO_BLOCKS])
             chunk += [chunk[-1]] * (kvcache.IO_BLOCKS - len(chunk))  # the padding's own block
-            leaves, at = [], 0
+            parts, at = [], 0
             for (shape, dtype), size in zip(shapes, sizes):
-                rows = [np.frombuffer(p, dtype, size // np.dtype(dtype).itemsize, at)
-                        .reshape(shape) for p in chunk]
-                leaves.append(np.stack(rows, axis))
+                parts.append([np.frombuffer(p, dtype, size // np.dtype(dtype).itemsize, at)
+                              .reshape(shape) for p in chunk])
                 at += size
-            self.kv = scatter(self.kv, ids, jax.tree.unflatten(tree, leaves))
+            self.kv = scatter(self.kv, ids, parts)
 
     def _block_io(self):
         if getattr(self, "_io", None) is None:

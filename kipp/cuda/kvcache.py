@@ -179,18 +179,25 @@ IO_BLOCKS = 16  # blocks per gather/scatter call: one compiled shape each way, p
 
 def block_io(kv, stacked: bool):
     """(gather, scatter) jitted for a slab like `kv`: gather(kv, ids [IO_BLOCKS]) -> the
-    blocks of every buffer (block axis 1 when `stacked`, else 0); scatter(kv, ids, blocks)
-    -> kv with them stored (kv donated; shardings kept)."""
+    blocks of every buffer (block axis 1 when `stacked`, else 0); scatter(kv, ids, parts) -> kv
+    with them stored, `parts` holding for each buffer (tree order) IO_BLOCKS arrays of one block
+    each (kv donated; shardings kept). The scatter is one in-place slice update per block: XLA's
+    CPU scatter of the same blocks runs at a third of the speed."""
     axis = 1 if stacked else 0
     shardings = jax.tree.map(lambda a: a.sharding, kv)
 
     def gather(kv, ids):
         return jax.tree.map(lambda a: jnp.take(a, ids, axis=axis), kv)
 
-    def scatter(kv, ids, blocks):
-        if stacked:
-            return jax.tree.map(lambda a, b: a.at[:, ids].set(b), kv, blocks)
-        return jax.tree.map(lambda a, b: a.at[ids].set(b), kv, blocks)
+    def scatter(kv, ids, parts):
+        leaves, tree = jax.tree.flatten(kv)
+        stored = []
+        for a, blocks in zip(leaves, parts):
+            for i, block in enumerate(blocks):  # a repeated id (the padding) rewrites its bytes
+                a = jax.lax.dynamic_update_slice_in_dim(a, jnp.expand_dims(block, axis), ids[i],
+                                                        axis)
+            stored.append(a)
+        return jax.tree.unflatten(tree, stored)
 
     return jax.jit(gather), jax.jit(scatter, donate_argnums=0, out_shardings=shardings)
 
