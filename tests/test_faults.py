@@ -171,6 +171,40 @@ def check_scheduler(env) -> bool:
     return all(collect(t)[0][0] == rule.continuation(p, 8) for t, p in zip(tickets, prompts))
 
 
+def check_kv_disk(env) -> bool:
+    """A prompt's blocks written to a disk tier and restored by a second model on the same
+    folder: the continuation's logits equal an uncached run's bitwise (reference backend), and a
+    block file with one payload byte flipped is refused and counted, its block recomputed."""
+    import tempfile
+
+    prompt = [int(t) for t in np.random.default_rng(8).integers(1, 100_000, 3 * KV_BLOCK + 7)]
+    plain = env.reference().session()
+    plain.eval(prompt[:-1])
+    want = plain.eval(prompt[-1:])
+    with tempfile.TemporaryDirectory() as folder:
+        first = load(env.path, backend="reference", kv_tokens=1024, progress=False,
+                     kv_cache_dir=folder)
+        with first.session() as s:
+            s.eval(prompt)
+        first.kv_disk.tier.flush()
+        files = sorted(first.kv_disk.tier.dir.glob("[0-9a-f]*.kvb"))
+        if len(files) != 3:
+            return False
+        victim = files[0]  # one of the three full blocks, flipped mid-payload
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+        second = load(env.path, backend="reference", kv_tokens=1024, progress=False,
+                      kv_cache_dir=folder)
+        s = second.session()
+        n = s.match_prefix(prompt[:-1])
+        s.eval(prompt[n:-1])
+        got = s.eval(prompt[-1:])
+        s.close()
+        stats = second.kv_disk.stats()
+    return np.array_equal(got, want) and stats["bad_blocks"] == 1 and stats["hits"] >= 1
+
+
 CHECKS = {
     "gate: vs transformers": check_transformers,
     "gate: greedy = designed rule": check_designed_greedy,
@@ -182,6 +216,7 @@ CHECKS = {
     "sampling: kept set and penalties vs a sorting oracle": check_sampling,
     "speculative greedy = plain greedy": check_spec,
     "scheduler: concurrent greedy = designed rule": check_scheduler,
+    "disk tier: restored prefix = uncached, a flipped byte refused": check_kv_disk,
 }
 CATALOGUE = faults.catalogue()
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 FAMILIES = ("forward pass", "KV addressing", "block pool", "sampling", "speculation",
-            "scheduler", "Metal kernels")
+            "scheduler", "KV disk tier", "Metal kernels")
 
 
 @dataclass(frozen=True)
