@@ -9,6 +9,7 @@ way (`uncached`); on the reference that is bitwise the plain one-call run too.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -411,3 +412,34 @@ def test_metrics_and_doctor_show_the_tier(tiny, tmp_path):
     assert info["files"] == FILES and info["writable"] and len(info["namespaces"]) == 1
     assert f"{FILES} blocks" in _kv_disk_line(info)
     assert "KV disk" in repr(m) and f"{FILES} blocks" in repr(m)
+
+
+def test_a_restarted_server_restores_the_prefix(tiny, tmp_path):
+    """`kipp serve` stopped and started again on the same --kv-cache-dir: the repeated prompt's
+    usage counts every restored token as cached, /metrics counts the disk hits, and the greedy
+    text is the first server's."""
+    pytest.importorskip("flask")
+    from live_server import LiveServer
+
+    body = {"model": TINY, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    flags = ("--kv-cache-dir", str(tmp_path), "--kv-disk-mib", "64")
+    first = LiveServer(tiny, *flags)
+    try:
+        status, text, _ = first.post("/v1/completions", body)
+        assert status == 200, text
+        cold = json.loads(text)
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        first.stop()  # SIGTERM: the queued block writes are flushed at exit
+    assert len(list(Path(tmp_path).glob("*/*.kvb"))) == FILES
+    second = LiveServer(tiny, *flags)
+    try:
+        status, text, _ = second.post("/v1/completions", body)
+        assert status == 200, text
+        warm = json.loads(text)
+        hits = second.metrics()["kipp_kv_disk_hits_total"]
+    finally:
+        second.stop()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == RESTORED
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert hits == FILES
