@@ -47,11 +47,14 @@ def check_draft_model(target, draft) -> None:
 
 def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
     """Draft with `draft_model` (prompt lookup first with `lookup`), gated by an AdaptiveGate
-    that counts a draft token's cost (draft_cost) when the `target` is given (and checked
-    against it); `gate` overrides AdaptiveGate's fields."""
+    that counts a draft token's cost (draft_cost) and the target backend's verify cost when the
+    `target` is given (and checked against it); `gate` overrides AdaptiveGate's fields."""
     if target is not None:
         check_draft_model(target, draft_model)
         gate.setdefault("draft_cost", draft_cost(target, draft_model))
+        base, per_row = target.backend.verify_cost
+        gate.setdefault("verify_base", base)
+        gate.setdefault("verify_per_token", per_row)
     return SpecConfig(drafter=PromptLookupDrafter if lookup else None,
                       gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
