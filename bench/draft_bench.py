@@ -9,21 +9,28 @@ checkpoints built to agree with its greedy text at about 95%, 70% and 30%
 (kipp-synthetic/qwen3-0.6b-draft-N: its seed's designed rule, a fraction of the live tokens
 moved). Prompts are three live tokens, so the target walks its designed chain. Each arm decodes
 `--tokens` tokens per stream, greedy and at temperature 0.7, 1 stream and 8, plain and with the
-draft, interleaved per round after `--warmup` rounds that compile every shape. The value is
+draft, interleaved per round after `--warmup` rounds; a run that compiled a step shape it had
+not met (the target's or the draft's) is run again, so no compile is inside a measurement. The value is
 decode tok/s (generated tokens over the wall time from the last prompt's logits to the end);
 the speed-up is the median over rounds of spec / plain. Greedy spec runs must emit exactly the
 plain run's tokens, or the command fails.
 
-Beside the measurement, `predict` gives the bandwidth model's speed-up for Qwen3-0.6B drafting
-for 8B and 32B (BF16, batch 1) on an H200 and an M-series Mac: a step reads the weights once
-(bytes / bandwidth, or the verify's FLOPs at peak when that is longer), a draft of k tokens costs
-k draft steps, and it yields E(k) = (1 - a^(k+1)) / (1 - a) tokens at acceptance a; k is the
-best of the gate's sizes.
+Beside the measurement, `predict` gives the speed-up for Qwen3-0.6B drafting for 8B and 32B
+(BF16, batch 1) on an H200 and on an M-series Mac. A round of draft length k costs k draft decode
+steps and one target verify of k + 1 rows, and yields E(k) = (1 - a^(k+1)) / (1 - a) tokens at
+acceptance a; the speed-up is E(k) x (target step) / (round), k the best of the gate's sizes.
+- H200: every step time is the compile report's roofline (bench/kernels.py, the newest
+  kernels-h200 record in bench/results): the projections and head at M = 1 (decode) or M = 8
+  (a verify of up to 8 rows, so k <= 7), plus decode attention over 2,048 positions, per layer.
+  Like the report's own predictions these leave out XLA's ops between the kernels.
+- M-series: no compile report exists for Metal, so a step is the weights' bytes over the
+  bandwidth (an M4 Max's 546 GB/s), or a verify's FLOPs at the BF16 peak when that is longer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -35,9 +42,9 @@ from bench import provenance, records, stats
 
 TARGET = "kipp-synthetic/qwen3-0.6b-shape"
 AGREE = (95, 70, 30)
-# Bandwidth and BF16 peak of the machines the prediction is for (vendor figures).
-MACHINES = {"H200 SXM": (4.8e12, 989e12), "M4 Max (546 GB/s)": (546e9, 34e12)}
+MAC = ("M4 Max (546 GB/s)", 546e9, 34e12)  # bandwidth and BF16 peak (vendor figures)
 SIZES = (3, 7, 15)
+RETRIES = 4  # runs of one arm and round while each compiles a step shape it had not met
 GOALS = {"speedup_at_70_single": 1.8, "floor": 0.95}
 
 
@@ -54,6 +61,7 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
     from kipp.engine.scheduler import Done, Request, Scheduler
     from kipp.text.sampling import SamplingParams
 
+    compiled = _compiled(model, spec)
     scheduler = Scheduler(model, max_batch=max(8, len(prompts_)), speculative=spec or False)
     tickets = [scheduler.submit(Request(tuple(p), tokens, sampling=SamplingParams(
         temperature=temperature, seed=seed + i))) for i, p in enumerate(prompts_)]
@@ -72,7 +80,15 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
             accepted += done.spec.accepted
     generated = sum(len(i) for i in ids) - len(ids)  # the first token came with the prompt
     return {"tok_s": stats.rate(generated, seconds), "seconds": seconds, "ids": ids,
-            "drafted": drafted, "accepted": accepted}
+            "drafted": drafted, "accepted": accepted,
+            "compiled": _compiled(model, spec) - compiled}
+
+
+def _compiled(model, spec) -> int:
+    """Step shapes compiled so far by the target and the draft (0 on an uncompiled backend)."""
+    models = [model] + ([spec.draft_model] if spec and getattr(spec, "draft_model", None)
+                        else [])
+    return sum(len(getattr(m.backend, "buckets", ())) for m in models)
 
 
 def measure(target, drafts: dict, args) -> dict:
@@ -86,8 +102,11 @@ def measure(target, drafts: dict, args) -> dict:
                 for streams in args.streams:
                     ps = prompts(target, streams, seed=r)
                     for mode in ("plain", "spec"):
-                        run = decode(target, ps, args.tokens, temperature,
-                                     spec if mode == "spec" else None, seed=100 * r)
+                        for _ in range(RETRIES):  # a run that compiled a new shape is redone
+                            run = decode(target, ps, args.tokens, temperature,
+                                         spec if mode == "spec" else None, seed=100 * r)
+                            if not run["compiled"]:
+                                break
                         key = (agree, temperature, streams, mode)
                         results.setdefault(key, []).append((r >= args.warmup, run))
                         print(f"  round {r} agree {agree} T={temperature} x{streams} {mode:5} "
@@ -115,24 +134,60 @@ def summarize(results: dict, args) -> list[dict]:
     return rows
 
 
+def _gain(a: float, k: int, step: float, verify: float, draft_step: float) -> float:
+    return (1 - a ** (k + 1)) / (1 - a) * step / (verify + k * draft_step)
+
+
+def _h200_steps(entries) -> dict | None:
+    """{checkpoint id: (decode step s, verify step s)} from the newest compile report."""
+    from bench import kernels
+
+    found = sorted(records.RESULTS.glob("*-kernels-h200.json"))
+    if not found:
+        return None
+    rows = json.loads(found[-1].read_text())["kernels"]
+    out = {}
+    for entry in entries:
+        decode = kernels._step_seconds(rows, entry, "bf16", 1, "decode_attention", "S=1 ")
+        verify = kernels._step_seconds(rows, entry, "bf16", 8, "decode_attention", "S=1 ")
+        if decode is None or verify is None:
+            return None
+        out[entry.id] = (decode, verify)
+    out["report"] = found[-1].name
+    return out
+
+
 def predict(acceptances=(0.95, 0.7, 0.3), draft="Qwen/Qwen3-0.6B",
             targets=("Qwen/Qwen3-8B", "Qwen/Qwen3-32B")) -> list[dict]:
-    """The bandwidth model's batch-1 BF16 speed-up (module docstring)."""
+    """The batch-1 BF16 speed-up per machine, target and acceptance (module docstring)."""
     from kipp.formats import registry
 
-    d = 2 * registry.get(draft).parameter_count
     out = []
-    for machine, (bandwidth, flops) in MACHINES.items():
+    h200 = _h200_steps([registry.get(c) for c in (draft, *targets)])
+    if h200 is not None:
+        draft_step = h200[draft][0]
         for target in targets:
-            t = 2 * registry.get(target).parameter_count
-            step, draft_step = t / bandwidth, d / bandwidth
+            step, verify = h200[target]
             for a in acceptances:
-                def gain(k):
-                    verify = max(step, 2 * (t / 2) * (k + 1) / flops)
-                    return (1 - a ** (k + 1)) / (1 - a) * step / (verify + k * draft_step)
-                k = max(SIZES, key=gain)
-                out.append({"machine": machine, "target": target, "draft": draft,
-                            "acceptance": a, "k": k, "speedup": max(1.0, gain(k))})
+                k = max((k for k in SIZES if k + 1 <= 8),
+                        key=lambda k: _gain(a, k, step, verify, draft_step))
+                out.append({"machine": "H200 SXM", "model": h200["report"], "target": target,
+                            "draft": draft, "acceptance": a, "k": k,
+                            "step_ms": step * 1e3, "verify_ms": verify * 1e3,
+                            "draft_step_ms": draft_step * 1e3,
+                            "speedup": max(1.0, _gain(a, k, step, verify, draft_step))})
+    name, bandwidth, flops = MAC
+    d = 2 * registry.get(draft).parameter_count
+    for target in targets:
+        t = 2 * registry.get(target).parameter_count
+        step, draft_step = t / bandwidth, d / bandwidth
+        for a in acceptances:
+            def gain(k):
+                return _gain(a, k, step, max(step, t * (k + 1) / flops), draft_step)
+            k = max(SIZES, key=gain)
+            out.append({"machine": name, "model": "bandwidth", "target": target, "draft": draft,
+                        "acceptance": a, "k": k, "step_ms": step * 1e3,
+                        "draft_step_ms": draft_step * 1e3, "speedup": max(1.0, gain(k))})
     return out
 
 

@@ -439,3 +439,23 @@ def test_a_crashed_peer_fails_the_run_by_name(tmp_path, monkeypatch, stock_store
     assert runner.exit_status([path]) == 3
     [line] = runner.failures([path])
     assert line.startswith("transformers/bf16 decode: failed: load: worker exited (-11")
+
+
+def test_the_spec_prediction_uses_the_compile_reports_step_times():
+    """bench spec's H200 rows take their step times from the newest kernels-h200 record: the
+    8B decode step is the one that record predicted when it was written, and the speed-up grows
+    with acceptance on every machine and target."""
+    from bench import draft_bench
+
+    rows = draft_bench.predict()
+    h200 = [r for r in rows if r["machine"] == "H200 SXM"]
+    assert h200, "no kernels-h200 record in bench/results"
+    report = json.loads((draft_bench.records.RESULTS / h200[0]["model"]).read_text())
+    [want] = [p for p in report["predicted"] if p["checkpoint"] == "8B" and p["scheme"] == "bf16"]
+    step = next(r["step_ms"] for r in h200 if r["target"] == "Qwen/Qwen3-8B")
+    assert math.isclose(step, 1e3 / want["decode_tok_s"], rel_tol=1e-9)
+    for machine in {r["machine"] for r in rows}:
+        for target in ("Qwen/Qwen3-8B", "Qwen/Qwen3-32B"):
+            gains = [r["speedup"] for r in sorted(rows, key=lambda r: r["acceptance"])
+                     if r["machine"] == machine and r["target"] == target]
+            assert len(gains) == 3 and gains == sorted(gains) and gains[-1] > 2
