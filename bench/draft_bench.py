@@ -10,10 +10,10 @@ checkpoints built to agree with its greedy text at about 95%, 70% and 30%
 moved). Prompts are three live tokens, so the target walks its designed chain. Each arm decodes
 `--tokens` tokens per stream, greedy and at temperature 0.7, 1 stream and 8, plain and with the
 draft, interleaved per round after `--warmup` rounds; a run that compiled a step shape it had
-not met (the target's or the draft's) is run again, so no compile is inside a measurement. The value is
-decode tok/s (generated tokens over the wall time from the last prompt's logits to the end);
-the speed-up is the median over rounds of spec / plain. Greedy spec runs must emit exactly the
-plain run's tokens, or the command fails.
+not met (the target's or the draft's) is run again, so no compile is inside a measurement.
+The value is decode tok/s (generated tokens over the wall time from the last prompt's logits to
+the end); the speed-up is the median over rounds of spec / plain. Greedy spec runs must emit
+exactly the plain run's tokens, or the command fails.
 
 Beside the measurement, `predict` gives the speed-up for Qwen3-0.6B drafting for 8B and 32B
 (BF16, batch 1) on an H200 and on an M-series Mac. A round of draft length k costs k draft decode
