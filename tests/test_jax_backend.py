@@ -111,6 +111,7 @@ def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, weight_memory, kv
     assert not np.array_equal(np.asarray(jax.tree.leaves(k_new)[0]), jax.tree.leaves(k_all)[0])
 
 
+@pytest.mark.slow  # Pallas interpret mode runs every kernel in Python (CI's interpret step)
 def test_kernels_in_interpret_mode_match_reference(artifacts):
     """The whole model through the Pallas kernels (interpret mode): GQA group 5, 4-bit."""
     ref, jb = _backends(artifacts, UNTIED, "scale4_gs32", path="interpret",
