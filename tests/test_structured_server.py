@@ -128,6 +128,18 @@ def _check_calls(calls, only=None):
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
+def test_a_forced_tool_call_wins_over_a_response_format(server):
+    """As in OpenAI's API: with tool_choice forcing a call, the reply is the call and the
+    response_format (which would hold the content) constrains nothing."""
+    r = server.client().chat.completions.create(
+        model=TINY, messages=[USER], tools=TOOLS, parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        response_format={"type": "json_object"}, max_tokens=96, temperature=0.8, seed=5)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    _check_calls(c.message.tool_calls, "add")
+
+
 @pytest.mark.parametrize("choice, only", [
     ("required", None), ({"type": "function", "function": {"name": "add"}}, "add")])
 def test_forced_tool_calls_through_the_openai_client(server, choice, only):
@@ -237,8 +249,8 @@ BAD = [
         "type": "object", "properties": {"x": {"type": 7}}}}}]}, "tools",
      r"tools\[0\].function.parameters"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "type"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "give one of them"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "xml"}},
+     "response_format", "must be"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
 ]
 

@@ -412,8 +412,10 @@ def reply_finish_reason(reason: str | None, calls: Sequence) -> str | None:
 def chat_grammar(response_format, tools, tool_choice, parallel_tool_calls: bool = True, *,
                  bare_schema: bool = False):
     """The one grammar a chat reply is held to: a forced tool call (tool_choice "required" or
-    a named function) or a response format, never both (kipp.text.grammar; a GrammarError
-    names the field). `bare_schema` also takes a plain JSON Schema as the response format."""
+    a named function) or a response format (kipp.text.grammar; a GrammarError names the field).
+    With both, the forced call wins, as in OpenAI's API: the reply is the call, and the format
+    would hold a content the reply does not have (it is still checked). `bare_schema` also
+    takes a plain JSON Schema as the response format."""
     from kipp.text import grammar as g
 
     if tools is None and tool_choice not in (None, "none"):
@@ -422,7 +424,4 @@ def chat_grammar(response_format, tools, tool_choice, parallel_tool_calls: bool 
     if tools is not None:
         forced = g.tool_choice_grammar(g.function_tools(tools), tool_choice, parallel_tool_calls)
     formatted = g.response_format_grammar(response_format, bare_schema=bare_schema)
-    if forced is not None and formatted is not None:
-        raise g.GrammarError("'tool_choice' forces a tool call, so 'response_format' cannot "
-                             "also constrain the reply; give one of them", "response_format")
-    return forced or formatted
+    return forced if forced is not None else formatted
