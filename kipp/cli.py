@@ -150,12 +150,12 @@ def _cache_prompt(args) -> None:
 
 
 def _cache(args) -> None:
-    from kipp.engine import kv_disk
+    from kipp.engine import kv_files
 
     folder = _kv_folder(args)
-    listing = kv_disk.listing(folder)
+    listing = kv_files.listing(folder)
     if args.action == "clear":
-        removed, size = kv_disk.clear(folder)
+        removed, size = kv_files.clear(folder)
         print(f"removed {removed:,} KV block files ({size / 2**20:,.1f} MiB) from {folder}")
         return
     if not listing:

@@ -93,17 +93,17 @@ def kv_disk_info(supported: bool, folder: Path | None = None) -> dict:
     written, the default size bound, and whether the chosen backend can use it."""
     import os
 
-    from kipp.engine import kv_disk
+    from kipp.engine import kv_files
     from kipp.formats.store import home
 
     folder = home() / "kv" if folder is None else Path(folder)
-    listing = kv_disk.listing(folder)
+    listing = kv_files.listing(folder)
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return {"folder": str(folder), "backend_supported": supported,
             "writable": os.access(probe, os.W_OK),
-            "default_limit_mib": kv_disk.default_limit(folder) // 2**20,
+            "default_limit_mib": kv_files.default_limit(folder) // 2**20,
             "files": sum(n for n, _ in listing.values()),
             "mib": round(sum(b for _, b in listing.values()) / 2**20, 1),
             "namespaces": {name: {"files": n, "mib": round(b / 2**20, 1)}

@@ -218,7 +218,7 @@ class Model:
     def attach_kv_disk(self, folder: str | Path, mib: float | None = None):
         """Keep published KV blocks in `folder` too, up to `mib` MiB (default: a quarter of
         the free disk): kipp.engine.kv_disk. Returns the KVDisk."""
-        from kipp.engine import kv_disk
+        from kipp.engine import kv_disk, kv_files
 
         _check_disk_arguments(folder, mib)
         backend = self.backend
@@ -226,18 +226,18 @@ class Model:
             raise KippError(f"the {backend.name} backend cannot keep KV blocks on disk "
                             f"(--kv-cache-dir)")
         folder = Path(folder)
-        limit = kv_disk.default_limit(folder) if mib is None else int(mib * 2**20)
+        limit = kv_files.default_limit(folder) if mib is None else int(mib * 2**20)
         memo = folder / "artifacts.json"
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError:
             pass  # a read-only place: the tier serves what is there, and counts its errors
-        checksum = kv_disk.artifact_checksum(self.artifact.path, memo)
+        checksum = kv_files.artifact_checksum(self.artifact.path, memo)
         kv_scheme = getattr(backend, "kv_scheme", "bf16")
-        space = kv_disk.namespace(checksum, kv_scheme, backend.kv_identity())
+        space = kv_files.namespace(checksum, kv_scheme, backend.kv_identity())
         label = f"{self.entry.id} {self.artifact.scheme.name} ({checksum[:12]}), " \
                 f"{kv_scheme} KV, {backend.name}"
-        tier = kv_disk.DiskTier(folder, space, backend.kv_block_bytes, limit, label)
+        tier = kv_files.DiskTier(folder, space, backend.kv_block_bytes, limit, label)
         self.kv_disk = kv_disk.KVDisk(tier, backend, self.pool)
         return self.kv_disk
 

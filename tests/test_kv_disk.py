@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kipp.backend import KV_BLOCK
-from kipp.engine import kv_disk
+from kipp.engine import kv_files
 
 TINY = "kipp-synthetic/qwen3-tiny"
 PROMPT = [int(t) for t in np.random.default_rng(29).integers(1, 5000, 4 * KV_BLOCK + 9)]
@@ -90,7 +90,7 @@ def saved(path, folder, backend="reference", **kw):
     run(m)
     m.kv_disk.tier.flush()
     assert m.kv_disk.stats()["writes"] == FILES
-    return sorted(m.kv_disk.tier.dir.glob("*" + kv_disk.SUFFIX), key=os.path.getmtime)
+    return sorted(m.kv_disk.tier.dir.glob("*" + kv_files.SUFFIX), key=os.path.getmtime)
 
 
 def block_file(tier_dir: Path, index: int) -> Path:
@@ -100,7 +100,7 @@ def block_file(tier_dir: Path, index: int) -> Path:
     digest = None
     for i in range(index + 1):
         digest = block_hash(digest, PROMPT[i * KV_BLOCK:(i + 1) * KV_BLOCK])
-    return tier_dir / (digest.hex() + kv_disk.SUFFIX)
+    return tier_dir / (digest.hex() + kv_files.SUFFIX)
 
 
 def same(a, b):
@@ -189,7 +189,7 @@ def test_a_bad_block_file_is_dropped_and_recomputed(tiny, artifacts, tmp_path, m
 
 
 class _Refusing:
-    """`open` for kv_disk that writes half a temp file, then fails as the disk would."""
+    """`open` for kv_files that writes half a temp file, then fails as the disk would."""
 
     def __init__(self, code: int):
         self.code, self.refused = code, 0
@@ -225,7 +225,7 @@ def test_an_unwritable_disk_is_counted_and_serving_goes_on(tiny, tmp_path, monke
         f.unlink()
     files = keep
     refusing = _Refusing(code)
-    monkeypatch.setattr(kv_disk, "open", refusing, raising=False)
+    monkeypatch.setattr(kv_files, "open", refusing, raising=False)
     m = model(tiny, tmp_path)
     first, second, n = run(m, restored=3 * KV_BLOCK)  # what is there still restores
     m.kv_disk.tier.flush()
@@ -234,14 +234,14 @@ def test_an_unwritable_disk_is_counted_and_serving_goes_on(tiny, tmp_path, monke
     assert refusing.refused and stats["write_errors"] == FILES - 3 and stats["writes"] == 0
     assert m.kv_disk.tier.last_error and os.strerror(code) in m.kv_disk.tier.last_error
     assert not list(m.kv_disk.tier.dir.glob(".tmp-*"))  # no half file left behind
-    assert sorted(m.kv_disk.tier.dir.glob("*" + kv_disk.SUFFIX)) == sorted(files)
+    assert sorted(m.kv_disk.tier.dir.glob("*" + kv_files.SUFFIX)) == sorted(files)
     text = m.generate(PROMPT, max_tokens=4, temperature=0)
     assert text == model(tiny).generate(PROMPT, max_tokens=4, temperature=0)
 
 
 KILLED_WRITER = """
 import os, sys, time
-from kipp.engine import kv_disk
+from kipp.engine import kv_files
 from kipp.model import load
 real, seen = open, []
 def stalling(path, mode="r", *a, **k):
@@ -258,7 +258,7 @@ def stalling(path, mode="r", *a, **k):
                     time.sleep(600)
             return Half()
     return f
-kv_disk.open = stalling
+kv_files.open = stalling
 m = load(sys.argv[1], backend="reference", kv_tokens=1024, progress=False,
          kv_cache_dir=sys.argv[2])
 with m.session() as s:
@@ -284,7 +284,7 @@ def test_a_process_killed_mid_write_leaves_no_half_block(tiny, tmp_path):
             proc.kill()
     [space] = [d for d in folder.iterdir() if d.is_dir()]
     assert len(list(space.glob(".tmp-*"))) == 1  # the half-written block, under a temp name
-    assert len(list(space.glob("*" + kv_disk.SUFFIX))) == 2
+    assert len(list(space.glob("*" + kv_files.SUFFIX))) == 2
     m = model(tiny, folder)
     assert not list(space.glob(".tmp-*"))  # swept: its process is gone
     first, second, n = run(m, restored=2 * KV_BLOCK)
@@ -314,14 +314,14 @@ def test_two_processes_share_a_folder(tiny, tmp_path):
     run(b)  # both publish the same blocks: the same bytes under the same names
     a.kv_disk.tier.flush()
     b.kv_disk.tier.flush()
-    files = list(a.kv_disk.tier.dir.glob("*" + kv_disk.SUFFIX))
+    files = list(a.kv_disk.tier.dir.glob("*" + kv_files.SUFFIX))
     assert len(files) == FILES
     first, second, n = run(model(tiny, tmp_path), restored=RESTORED)
     assert same((first, second), uncached(tiny, n))
 
 
 def test_a_full_queue_drops_and_counts(tmp_path):
-    tier = kv_disk.DiskTier(tmp_path, kv_disk.namespace("x"), 8, 1 << 20)
+    tier = kv_files.DiskTier(tmp_path, kv_files.namespace("x"), 8, 1 << 20)
     release = threading.Event()
     key = [(bytes(16), tuple(range(KV_BLOCK)))]
 
@@ -329,7 +329,7 @@ def test_a_full_queue_drops_and_counts(tmp_path):
         release.wait(30)
         return [b"12345678"]
 
-    accepted = [tier.submit(key, slow) for _ in range(kv_disk.QUEUE_JOBS + 3)]
+    accepted = [tier.submit(key, slow) for _ in range(kv_files.QUEUE_JOBS + 3)]
     release.set()
     tier.flush()
     assert accepted.count(False) >= 2 and tier.counters["dropped"] == accepted.count(False)
@@ -345,7 +345,7 @@ def test_cache_ls_and_clear(tiny, tmp_path, capsys):
     assert f"{FILES:>8,} blocks" in out and "qwen3-tiny bf16" in out and "reference" in out
     assert main(["cache", "clear", "--kv-cache-dir", str(tmp_path)]) == 0
     assert f"removed {FILES} KV block files" in capsys.readouterr().out
-    assert not list(tmp_path.glob("*/*" + kv_disk.SUFFIX))
+    assert not list(tmp_path.glob("*/*" + kv_files.SUFFIX))
 
 
 def test_cache_prompt_command(tiny, tmp_path, capsys):
@@ -359,7 +359,7 @@ def test_cache_prompt_command(tiny, tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "cached" in out and str(folder) in out
-    assert kv_disk.listing(folder)
+    assert kv_files.listing(folder)
     assert main(args) == 0
     assert "(0 blocks written)" in capsys.readouterr().out  # already there
     assert main(["cache-prompt", str(tiny), "--backend", "reference", "--file",
@@ -390,7 +390,7 @@ def test_a_compiled_backend_restores_bitwise(artifacts, tmp_path, backend):
         payloads = m.backend.read_blocks(s.block_table[:FULL])()
     for i, payload in enumerate(payloads):
         data = block_file(m.kv_disk.tier.dir, i).read_bytes()
-        assert payload == data[kv_disk._HEADER.size:kv_disk._HEADER.size + len(payload)]
+        assert payload == data[kv_files._HEADER.size:kv_files._HEADER.size + len(payload)]
     # the reference's blocks live in another namespace: never read by this backend
     assert model(tiny, tmp_path).kv_disk.tier.dir != m.kv_disk.tier.dir
 
