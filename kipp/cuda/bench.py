@@ -192,8 +192,8 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
             repeats: int = 5) -> str:
     """Weights/s of the CPU's projection paths per weight layout (kipp.cuda.plan's choice):
     XLA's dots on float32, BF16 and packed planes, Kipp's CPU matmul on float32 panels, and
-    Kipp's stored CPU matmul on the stored planes ("kipp " rows); every layout's calls
-    interleaved per repeat, medians."""
+    Kipp's stored CPU matmul on the stored planes ("kipp " rows, and "int8 " rows for its int8
+    dot); every layout's calls interleaved per repeat, medians."""
     from kipp.cuda.cpu import matmul as cpu_matmul
     from kipp.cuda.cpu import stored_matmul
     from kipp.cuda.forward import Ops
@@ -225,6 +225,11 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
     weights = {kind: [make() for _ in range(layers)] for kind, make in shapes.items()}
     calls = {kind: jax.jit(lambda x, ws, o=o: [o.linear(x, w) for w in ws])
              for kind, o in ops.items()}
+    if stored_matmul.available()[0]:  # the int8 dot (KIPP_JAX_CPU_DOT=int8) on the same planes
+        for kind in ("q8_0", "scale4", "affine4"):
+            shapes[f"int8 {kind}"], weights[f"int8 {kind}"] = shapes[kind], weights[kind]
+            calls[f"int8 {kind}"] = jax.jit(lambda x, ws: [
+                stored_matmul.matmul(x, w, dot=stored_matmul.Dot.INT8) for w in ws])
     times = {(kind, m): [] for kind in shapes for m in m_values}
     xs = {m: jnp.asarray(rng.standard_normal((m, cols)), jnp.float32) for m in m_values}
     for (kind, m) in times:

@@ -43,7 +43,10 @@ TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDeco
            "kipp_cpu_stored_matmul_bf16": "KippCpuStoredMatmulBf16",
            "kipp_cpu_stored_matmul_q8_0": "KippCpuStoredMatmulQ8_0",
            "kipp_cpu_stored_matmul_scale4_gs32": "KippCpuStoredMatmulScale4",
-           "kipp_cpu_stored_matmul_affine4_gs32": "KippCpuStoredMatmulAffine4"}
+           "kipp_cpu_stored_matmul_affine4_gs32": "KippCpuStoredMatmulAffine4",
+           "kipp_cpu_stored_matmul_q8_0_int8": "KippCpuStoredMatmulQ8_0Int8",
+           "kipp_cpu_stored_matmul_scale4_gs32_int8": "KippCpuStoredMatmulScale4Int8",
+           "kipp_cpu_stored_matmul_affine4_gs32_int8": "KippCpuStoredMatmulAffine4Int8"}
 ENV = "KIPP_JAX_CPU_MATMUL"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
 COMPILERS = ("c++", "g++", "clang++")
