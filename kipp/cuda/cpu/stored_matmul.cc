@@ -5,7 +5,8 @@
 //
 // A work unit is kGroup output rows of W. Each 32-weight block is decoded exactly as
 // kipp/formats/quant.py does (bits << 16; d * q; d * (q - 8); d * q + m), with AVX-512 where
-// the CPU has it (the library is built -march=native) and plain C++ otherwise. A decode round
+// the CPU has it (the library is built -march=native; the 4-bit formats as a 16-entry table
+// per block, looked up per nibble) and plain C++ otherwise. A decode round
 // (up to 8 rows of x) decodes each block once into registers and multiplies every row against
 // it; a longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
 // decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows, each x
@@ -116,6 +117,13 @@ inline float Half(uint16_t h) {
 
 enum class Format { kBf16, kQ8_0, kScale4, kAffine4 };
 
+#if defined(__AVX512F__)
+// *h as float32 in every lane: one broadcast and one conversion (Half's exact value).
+inline __m512 HalfBroadcast(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(*h)));
+}
+#endif
+
 // Block b of row n (n within the layer's planes) as float32, quant.py's arithmetic exactly:
 // elements 0..15 in *lo, 16..31 in *hi. AVX-512 where the CPU has it, plain C++ otherwise;
 // both give the same bits (every step is exact but affine4's one rounded add).
@@ -132,30 +140,30 @@ inline void DecodeBlock(const void* w, const uint16_t* d, const uint16_t* m, int
     *hi = reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (F == Format::kQ8_0) {
     const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
-    const __m512 scale = _mm512_set1_ps(Half(d[at]));
+    const __m512 scale = HalfBroadcast(d + at);
     const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
     *lo = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l))));
     *hi = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h))));
   } else {
+    // The block's 16 values as a table (each entry quant.py's arithmetic on that nibble, so
+    // the same bits), looked up per nibble: vpermps reads only an index's low 4 bits, so the
+    // low nibbles need no mask.
     const uint8_t* q = static_cast<const uint8_t*>(w) + at * 16;
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    __m512 h = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-    const __m512 scale = _mm512_set1_ps(Half(d[at]));
-    if constexpr (F == Format::kScale4) {
-      const __m512 eight = _mm512_set1_ps(8.0f);
-      l = _mm512_mul_ps(scale, _mm512_sub_ps(l, eight));
-      h = _mm512_mul_ps(scale, _mm512_sub_ps(h, eight));
-    } else {
-      const __m512 low = _mm512_set1_ps(Half(m[at]));
-      l = _mm512_add_ps(_mm512_mul_ps(scale, l), low);
-      h = _mm512_add_ps(_mm512_mul_ps(scale, h), low);
+    const __m512i wide =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512 scale = HalfBroadcast(d + at);
+    __m512 table;
+    if constexpr (F == Format::kScale4) {  // d * (q - 8)
+      table = _mm512_mul_ps(scale, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
+                                                  4, 5, 6, 7));
+    } else {  // d * q + m
+      table = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                10, 11, 12, 13, 14, 15)),
+                            HalfBroadcast(m + at));
     }
-    *lo = reinterpret_cast<v16>(l);
-    *hi = reinterpret_cast<v16>(h);
+    *lo = reinterpret_cast<v16>(_mm512_permutexvar_ps(wide, table));
+    *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
   }
 #else
   float o[kBlock];
