@@ -303,23 +303,23 @@ def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, scheme):
 
 @pytest.mark.slow  # two extra compiles of the kernel library (~1 min)
 @needs_kernel
-@pytest.mark.parametrize("flags", [("-mno-avx512f",),
-                                   ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")])
-def test_the_fallback_paths_give_the_same_bits(tmp_path, flags):
-    """The kernel built without AVX-512 (AVX2 + FMA), and without any of it (plain C++ decode,
-    std::fma), registered under its own target names: bitwise the -march=native build's output,
-    every scheme and both dots (the int8 dot's plain lanes vs vpdpbusd), decode and prefill
-    row counts. (Skipped off x86, where the flags mean
-    nothing.)"""
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_the_fallback_paths_give_the_same_bits(tmp_path, isa):
+    """The kernel built for AVX2 + FMA, and for the baseline x86-64 set (plain C++ decode,
+    std::fma), registered under its own target names: bitwise the build this CPU loaded
+    (cpu_matmul.cpu_isa()), every scheme and both dots (the int8 dot's plain lanes vs
+    vpdpbusd), decode and prefill row counts. (Skipped off x86, and for the loaded build.)"""
     import ctypes
     import platform
 
     from kipp.cuda.cpu import matmul as cpu_matmul
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 flags")
-    library = ctypes.CDLL(str(cpu_matmul.build(tmp_path, flags)))
-    suffix = "_".join(f.strip("-").replace("-", "") for f in flags)
+        pytest.skip("x86 builds")
+    if cpu_matmul.cpu_isa() == isa:
+        pytest.skip(f"{isa} is the build this CPU loaded")
+    library = ctypes.CDLL(str(cpu_matmul.build(tmp_path, isa=isa)))
+    suffix = isa
     symbols = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4",
                "affine4_gs32": "Affine4"}
     dots = [(scheme, dot) for scheme in SCHEMES for dot in stored_matmul.Dot
@@ -339,6 +339,6 @@ def test_the_fallback_paths_give_the_same_bits(tmp_path, flags):
             fallback = jax.ffi.ffi_call(
                 f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{suffix}", out)(
                 x, *planes, np.zeros(1, np.int32))
-            native = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
+            loaded = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
             assert np.array_equal(np.asarray(fallback).view(np.uint32),
-                                  np.asarray(native).view(np.uint32)), (scheme, dot, m)
+                                  np.asarray(loaded).view(np.uint32)), (scheme, dot, m)

@@ -5,13 +5,13 @@
 //
 // A work unit is kGroup output rows of W. Each 32-weight block is decoded exactly as
 // kipp/formats/quant.py does (bits << 16; d * q; d * (q - 8); d * q + m), with AVX-512 where
-// the CPU has it (the library is built -march=native; the 4-bit formats as a 16-entry table
-// per block, looked up per nibble) and plain C++ otherwise. A decode round
-// (up to 8 rows of x) decodes each block once into registers and multiplies every row against
-// it; a longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
-// decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows, each x
-// vector held in a register across the tile's W rows (loads, not FMAs, bounded the 4 x 4
-// tile). Either way each stored byte is read once.
+// the build has it (kipp/cuda/cpu/matmul.py builds for the set the CPU reports at load; the
+// 4-bit formats as a 16-entry table per block, looked up per nibble) and plain C++ otherwise.
+// A decode round (up to 8 rows of x) decodes each block once into registers and multiplies
+// every row against it; a longer round's unit is as many W rows as fill an L2-sized float32
+// scratch (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by
+// 4 W rows, each x vector held in a register across the tile's W rows (loads, not FMAs,
+// bounded the 4 x 4 tile). Either way each stored byte is read once.
 //
 // Numerics: each output y[m][n] is a 16-lane fused multiply-add chain over k (lane j sums
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations

@@ -4,8 +4,8 @@
 Why: a CPU decode step is bound by the bytes it streams; the float32 panels (kipp.cuda.cpu.
 matmul) stream 4 bytes a weight whatever the artifact holds, and XLA's own dots over the stored
 planes run far slower. The kernel (stored_matmul.cc, built into the library kipp.cuda.cpu.matmul
-compiles for this CPU with -march=native: AVX-512 where the CPU has it, AVX2 + FMA otherwise,
-plain vectors elsewhere) decodes the weights exactly as kipp.formats.quant.dequantize does,
+builds for the instruction set the CPU reports at load: AVX-512 + VNNI, AVX2 + FMA, or plain
+C++) decodes the weights exactly as kipp.formats.quant.dequantize does,
 into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
 multiplies every row of x against them: each stored byte is read once per call, however many
 rows; a long round runs about as fast as the float32 panels, so weight_memory "auto" keeps the
