@@ -263,10 +263,22 @@ def test_the_jax_backend_runs_every_scheme_through_it(artifacts, monkeypatch, sc
         assert result.passed, result.detail
 
 
+@pytest.fixture
+def fresh_traces():
+    """KIPP_JAX_CPU_DOT is read when a step is traced, and the JAX backend shares compiled
+    steps across backends by a signature the dot is not part of (kipp.cuda.backend._PROGRAMS):
+    no step compiled under one dot may serve a test under the other."""
+    from kipp.cuda import backend
+
+    backend._PROGRAMS.clear()
+    yield
+    backend._PROGRAMS.clear()
+
+
 @pytest.mark.slow  # ~20 s a scheme
 @needs_kernel
 @pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
-def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, scheme):
+def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, fresh_traces, scheme):
     """KIPP_JAX_CPU_DOT=int8 through the JAX backend, prefill and decode across a block
     boundary: against the numpy reference whose quantized projections round x the same way
     (_int8_rows) it passes INT8_BACKEND_BOUND; against the plain reference it does not pass
