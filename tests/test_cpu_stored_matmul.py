@@ -354,3 +354,15 @@ def test_the_fallback_paths_give_the_same_bits(tmp_path, isa):
             loaded = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
             assert np.array_equal(np.asarray(fallback).view(np.uint32),
                                   np.asarray(loaded).view(np.uint32)), (scheme, dot, m)
+
+
+@needs_kernel
+def test_the_matvec_benchmark_reports_every_scheme_and_dot():
+    """`python -m kipp.cuda.bench --matvec`, at a tiny shape: one row per scheme and dot (the
+    int8 dot for the quantized schemes only), each a positive rate."""
+    from kipp.cuda import bench
+
+    lines = bench.matvec(shapes=((64, 256, 1),), repeats=1).splitlines()[1:]
+    want = [(s, "f32") for s in SCHEMES] + [(s, "int8") for s in stored_matmul.INT8_FORMATS]
+    assert sorted(tuple(line.split()[:2]) for line in lines) == sorted(want)
+    assert all(float(line.split()[-1]) > 0 for line in lines)
