@@ -205,6 +205,20 @@ def test_the_int8_gate_sees_a_shifted_block_or_a_wrong_scale(scheme):
 
 
 @needs_kernel
+@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
+def test_the_int8_dot_keeps_a_nan_or_inf_in_x(scheme):
+    """A NaN or inf in a row of x makes that row's outputs NaN (the float32 dot's outputs are
+    not finite either), not a silently clamped int8; the other rows are untouched."""
+    x, w, _ = _case(8, scheme, 3, 20, 128)
+    clean = np.asarray(jax.jit(_int8)(x, w))
+    x[0, 70], x[2, 5] = np.nan, np.inf
+    got = np.asarray(jax.jit(_int8)(x, w))
+    assert np.isnan(got[0]).all() and np.isnan(got[2]).all()
+    assert np.array_equal(got[1], clean[1])
+    assert not np.isfinite(np.asarray(stored_matmul.matmul(x, w, dot="f32"))[[0, 2]]).any()
+
+
+@needs_kernel
 def test_the_dot_switch(monkeypatch):
     """KIPP_JAX_CPU_DOT picks the dot when a call is traced; bf16 keeps float32 under int8;
     a value it does not know is an error naming the variable."""

@@ -19,6 +19,8 @@
 // alone or batched. The activation stays float32 (no int8 rounding): only the summation order
 // differs from the float64 oracle. The int8 dot (Dot::kInt8, below) rounds x first: its own
 // numerics, every row count alike.
+#include <limits>
+
 #include "kernels.h"
 
 namespace {
@@ -364,9 +366,14 @@ void QuantizeRow(const float* x, int64_t k, QPair* out) {
     for (int h = 0; h < 2 && 2 * p + h < blocks; ++h) {
       const float* v = x + (2 * p + h) * kBlock;
       float amax = 0.0f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-      dx[h] = amax / 127.0f;
-      if (dx[h] == 0.0f) continue;
+      bool finite = true;
+      for (int j = 0; j < kBlock; ++j) {
+        amax = std::max(amax, std::fabs(v[j]));
+        finite = finite && std::isfinite(v[j]);
+      }
+      // a NaN or inf in x makes the row's outputs NaN (as the float32 dot would), not a clamp
+      dx[h] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      if (dx[h] == 0.0f || !finite) continue;
       for (int j = 0; j < kBlock; ++j) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
         const float r = std::nearbyint(v[j] / dx[h]);
         q[h][j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
