@@ -7,6 +7,8 @@ ulps of the row's scale; measured max |err| / max |y| 3.7e-7 .. 2.9e-6 for K up 
 gate is 1e-5 (the twin, XLA's float32 dot, sits in the same range).
 """
 
+import platform
+
 import numpy as np
 import pytest
 
@@ -121,3 +123,25 @@ def test_a_stacked_weight_is_read_at_its_layer():
                               np.asarray(jax.jit(cpu_matmul.matmul)(x, stack[i]))), i
     with pytest.raises(Exception, match="kipp_cpu_matmul: layer out of range"):
         jax.block_until_ready(stacked(jnp.int32(3)))
+
+
+def test_the_build_is_the_widest_set_the_cpu_reports():
+    """cpu_isa() (the CPU's own answer, isa.cc) against the kernel's flags in /proc/cpuinfo, and
+    the library loaded is that build."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.is_file():
+        pytest.skip("x86 Linux")
+    if not cpu_matmul.available()[0]:
+        pytest.skip(cpu_matmul.available()[1])
+    line = next(x for x in cpuinfo.read_text().splitlines() if x.startswith("flags"))
+    flags = set(line.split(":", 1)[1].split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+        want = cpu_matmul.Isa.AVX512_VNNI
+    elif {"avx2", "fma", "f16c"} <= flags:
+        want = cpu_matmul.Isa.AVX2
+    else:
+        want = cpu_matmul.Isa.PORTABLE
+    assert cpu_matmul.cpu_isa() is want
+    assert cpu_matmul.available()[1].startswith(f"built for {want.value} at ")

@@ -9,6 +9,12 @@ sum_k |x_k| |w_nk|: max 6.5e-8 (K 32 .. 4,096, every scheme, tile and row count)
 float32 dot) 1.8e-7. The gate is BOUND = 4e-7. An off-by-one block index or a wrong block
 scale moves outputs by ~1e-1 of that magnitude: `test_the_gate_sees_a_shifted_block_or_a_wrong_
 scale` checks the gate catches both (and both, planted in the kernel, failed it).
+
+The int8 dot (Dot.INT8): against float64 over numpy's int8 rounding of x (_int8_rows) max
+6.8e-8 of the magnitude, INT8_BOUND = 4e-7; against x itself max 3.85e-3 (the rounding),
+INT8_X_BOUND = 8e-3. Through the backend against the reference with the same rounding, worst-row
+NMSE max 5.49e-6 (a few x roundings flip where JAX's and numpy's float32 orders differ),
+INT8_BACKEND_BOUND = 5e-5.
 """
 
 import os
@@ -25,6 +31,9 @@ from kipp.cuda.layout import Linear  # noqa: E402
 from kipp.formats import quant  # noqa: E402
 
 BOUND = 4e-7
+INT8_BOUND = 4e-7
+INT8_X_BOUND = 8e-3
+INT8_BACKEND_BOUND = 5e-5
 SCHEMES = stored_matmul.FORMATS
 
 needs_kernel = pytest.mark.skipif(not stored_matmul.available()[0],
@@ -128,6 +137,102 @@ def test_the_gate_sees_a_shifted_block_or_a_wrong_scale(scheme):
     assert _err(got, x, scaled) > 100 * BOUND
 
 
+def _int8_rows(x: np.ndarray) -> np.ndarray:
+    """The values the int8 dot multiplies, in float64: x per 32-block as dx * q with dx =
+    max |x| / 127 and q = round(x / dx) in float32 (llama.cpp's q8_0 activation rounding)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // quant.BLOCK, quant.BLOCK)
+    dx = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    q = np.clip(np.rint(np.divide(blocks, dx, out=np.zeros_like(blocks), where=dx != 0)),
+                -127, 127)
+    return (q.astype(np.float64) * dx.astype(np.float64)).reshape(m, k)
+
+
+def _int8(x, w, layer=None):
+    return stored_matmul.matmul(x, w, layer, dot=stored_matmul.Dot.INT8)
+
+
+INT8_SHAPES = [(1, 1, 32), (1, 37, 64), (2, 16, 96), (3, 21, 128), (4, 64, 256), (5, 19, 64),
+               (8, 200, 512), (9, 33, 96), (17, 70, 160), (13, 300, 256), (1, 256, 4096),
+               (2, 40, 3072)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
+@pytest.mark.parametrize("m,n,k", INT8_SHAPES)
+def test_the_int8_dot_matches_numpy(scheme, m, n, k):
+    """Against float64 over the same int8 rounding of x (numpy's, _int8_rows): only the
+    float32 scale products and sums differ (INT8_BOUND); against x itself the rounding's own
+    error (INT8_X_BOUND). Odd block counts leave a half pair; 1 to 4 rows a tile."""
+    x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
+    if k > quant.BLOCK:  # a subnormal block beside normal ones: 1 / its dx is inf
+        x[:, :quant.BLOCK] *= np.float32(1e-40)
+    got = jax.jit(_int8)(x, w)
+    assert got.shape == (m, n) and got.dtype == jnp.float32 and np.isfinite(got).all()
+    assert _err(got, _int8_rows(x), dense) <= INT8_BOUND
+    assert _err(got, x, dense) <= INT8_X_BOUND
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
+def test_the_int8_dot_is_bitwise_the_same_alone_or_batched(scheme):
+    """Each row is quantized alone and every output is the same chain over the pairs, so
+    every row count gives the same bits (the float32 dot's decode rounds and scratch tiles do
+    not come into it)."""
+    x, w, _ = _case(12, scheme, 20, 300, 224)  # 7 blocks: a half pair at the end
+    call = jax.jit(_int8)
+    alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
+    for m in (2, 3, 4, 5, 8, 9, 12, 20):
+        batched = np.asarray(call(x[:m], w))
+        assert np.array_equal(batched.view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
+def test_the_int8_gate_sees_a_shifted_block_or_a_wrong_scale(scheme):
+    """INT8_BOUND is tight enough for the faults it is for (and both, planted in the kernel,
+    failed it): an oracle reading each row's next block, or with the first scale doubled."""
+    x, w, dense = _case(6, scheme, 3, 40, 192)
+    got = jax.jit(_int8)(x, w)
+    xq = _int8_rows(x)
+    assert _err(got, xq, dense) <= INT8_BOUND
+    blocks = dense.reshape(len(dense), -1, quant.BLOCK)
+    shifted = np.roll(blocks, -1, axis=1).reshape(dense.shape)
+    scaled = dense.copy()
+    scaled[:, :quant.BLOCK] *= 2
+    assert _err(got, xq, shifted) > 100 * INT8_BOUND
+    assert _err(got, xq, scaled) > 100 * INT8_BOUND
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
+def test_the_int8_dot_keeps_a_nan_or_inf_in_x(scheme):
+    """A NaN or inf in a row of x makes that row's outputs NaN (the float32 dot's outputs are
+    not finite either), not a silently clamped int8; the other rows are untouched."""
+    x, w, _ = _case(8, scheme, 3, 20, 128)
+    clean = np.asarray(jax.jit(_int8)(x, w))
+    x[0, 70], x[2, 5] = np.nan, np.inf
+    got = np.asarray(jax.jit(_int8)(x, w))
+    assert np.isnan(got[0]).all() and np.isnan(got[2]).all()
+    assert np.array_equal(got[1], clean[1])
+    assert not np.isfinite(np.asarray(stored_matmul.matmul(x, w, dot="f32"))[[0, 2]]).any()
+
+
+@needs_kernel
+def test_the_dot_switch(monkeypatch):
+    """KIPP_JAX_CPU_DOT picks the dot when a call is traced; bf16 keeps float32 under int8;
+    a value it does not know is an error naming the variable."""
+    x, w, _ = _case(4, "bf16", 2, 24, 64)
+    f32 = np.asarray(stored_matmul.matmul(x, w, dot=stored_matmul.Dot.F32))
+    assert np.array_equal(np.asarray(_int8(x, w)), f32)
+    xq, wq, _ = _case(4, "q8_0", 2, 24, 64)
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
+    assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)), np.asarray(_int8(xq, wq)))
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "int4")
+    with pytest.raises(ValueError, match="KIPP_JAX_CPU_DOT='int4': expected one of f32, int8"):
+        stored_matmul.matmul(xq, wq)
+
+
 @needs_kernel
 def test_bad_input_is_an_error_naming_the_kernel():
     x, w, _ = _case(3, "bf16", 2, 8, 64)
@@ -172,38 +277,106 @@ def test_the_jax_backend_runs_every_scheme_through_it(artifacts, monkeypatch, sc
         assert result.passed, result.detail
 
 
+@pytest.fixture
+def fresh_traces():
+    """KIPP_JAX_CPU_DOT is read when a step is traced, and the JAX backend shares compiled
+    steps across backends by a signature the dot is not part of (kipp.cuda.backend._PROGRAMS):
+    no step compiled under one dot may serve a test under the other."""
+    from kipp.cuda import backend
+
+    backend._PROGRAMS.clear()
+    yield
+    backend._PROGRAMS.clear()
+
+
+@pytest.mark.slow  # ~20 s a scheme
+@needs_kernel
+@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
+def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, fresh_traces, scheme):
+    """KIPP_JAX_CPU_DOT=int8 through the JAX backend, prefill and decode across a block
+    boundary: against the numpy reference whose quantized projections round x the same way
+    (_int8_rows) it passes INT8_BACKEND_BOUND; against the plain reference it does not pass
+    even the bound between backends (1e-4): the rounding itself is what the synthetic model
+    amplifies, which is why the int8 dot is not the default."""
+    from kipp import gates
+    from kipp.cuda.backend import JaxBackend
+    from kipp.formats.artifact import open_artifact
+    from kipp.reference import ops
+    from kipp.reference.backend import ReferenceBackend
+
+    artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", scheme))
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
+    backend = JaxBackend(artifact, 12, weight_memory="stored")
+    assert backend.plan.cpu_stored
+    table = np.random.default_rng(0).permutation(12)[:3]
+    tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
+    plain = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
+                                logits_rows=30, decode_steps=4, bound=1e-4)
+    linear = ops.linear
+
+    def rounded(x, w):  # a quantized weight (under 2 bytes a weight) meets int8-rounded x
+        quantized = w.raw.size < 2 * np.prod(w.shape)
+        return linear(_int8_rows(x).astype(np.float32) if quantized else x, w)
+
+    monkeypatch.setattr(ops, "linear", rounded)
+    same = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
+                               logits_rows=30, decode_steps=4, bound=INT8_BACKEND_BOUND)
+    print(f"{scheme}: int8 dot vs reference {plain.metric:.3g}, vs int8 reference "
+          f"{same.metric:.3g} (worst-row NMSE)")
+    assert same.passed, same.detail
+    assert not plain.passed
+
+
 @pytest.mark.slow  # two extra compiles of the kernel library (~1 min)
 @needs_kernel
-@pytest.mark.parametrize("flags", [("-mno-avx512f",),
-                                   ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")])
-def test_the_fallback_paths_give_the_same_bits(tmp_path, flags):
-    """The kernel built without AVX-512 (AVX2 + FMA), and without any of it (plain C++ decode,
-    std::fma), registered under its own target names: bitwise the -march=native build's output,
-    every scheme, decode and prefill row counts. (Skipped off x86, where the flags mean
-    nothing.)"""
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_the_fallback_paths_give_the_same_bits(tmp_path, isa):
+    """The kernel built for AVX2 + FMA, and for the baseline x86-64 set (plain C++ decode,
+    std::fma), registered under its own target names: bitwise the build this CPU loaded
+    (cpu_matmul.cpu_isa()), every scheme and both dots (the int8 dot's plain lanes vs
+    vpdpbusd), decode and prefill row counts. (Skipped off x86, and for the loaded build.)"""
     import ctypes
     import platform
 
     from kipp.cuda.cpu import matmul as cpu_matmul
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 flags")
-    library = ctypes.CDLL(str(cpu_matmul.build(tmp_path, flags)))
-    suffix = "_".join(f.strip("-").replace("-", "") for f in flags)
-    for scheme, symbol in (("bf16", "Bf16"), ("q8_0", "Q8_0"), ("scale4_gs32", "Scale4"),
-                           ("affine4_gs32", "Affine4")):
-        jax.ffi.register_ffi_target(f"kipp_cpu_stored_matmul_{scheme}_{suffix}",
+        pytest.skip("x86 builds")
+    if cpu_matmul.cpu_isa() == isa:
+        pytest.skip(f"{isa} is the build this CPU loaded")
+    library = ctypes.CDLL(str(cpu_matmul.build(tmp_path, isa=isa)))
+    suffix = isa
+    symbols = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4",
+               "affine4_gs32": "Affine4"}
+    dots = [(scheme, dot) for scheme in SCHEMES for dot in stored_matmul.Dot
+            if dot is stored_matmul.Dot.F32 or scheme in stored_matmul.INT8_FORMATS]
+    for scheme, dot in dots:
+        tail = "Int8" if dot is stored_matmul.Dot.INT8 else ""
+        jax.ffi.register_ffi_target(f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{suffix}",
                                     jax.ffi.pycapsule(getattr(
-                                        library, f"KippCpuStoredMatmul{symbol}")),
+                                        library, f"KippCpuStoredMatmul{symbols[scheme]}{tail}")),
                                     platform="cpu")
     cpu_matmul._LIBRARIES.append(library)  # keep its code mapped: XLA holds the handlers
-    for scheme in SCHEMES:
+    for scheme, dot in dots:
         for m in (1, 3, 8, 13):
             x, w, _ = _case(m + 40, scheme, m, 37, 160)
             planes = [a[None] for a in (w.w, w.d, w.m) if a is not None]
             out = jax.ShapeDtypeStruct((m, 37), jnp.float32)
-            fallback = jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{scheme}_{suffix}", out)(
+            fallback = jax.ffi.ffi_call(
+                f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{suffix}", out)(
                 x, *planes, np.zeros(1, np.int32))
-            native = jax.jit(stored_matmul.matmul)(x, w)
+            loaded = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
             assert np.array_equal(np.asarray(fallback).view(np.uint32),
-                                  np.asarray(native).view(np.uint32)), (scheme, m)
+                                  np.asarray(loaded).view(np.uint32)), (scheme, dot, m)
+
+
+@needs_kernel
+def test_the_matvec_benchmark_reports_every_scheme_and_dot():
+    """`python -m kipp.cuda.bench --matvec`, at a tiny shape: one row per scheme and dot (the
+    int8 dot for the quantized schemes only), each a positive rate."""
+    from kipp.cuda import bench
+
+    lines = bench.matvec(shapes=((64, 256, 1),), repeats=1).splitlines()[1:]
+    want = [(s, "f32") for s in SCHEMES] + [(s, "int8") for s in stored_matmul.INT8_FORMATS]
+    assert sorted(tuple(line.split()[:2]) for line in lines) == sorted(want)
+    assert all(float(line.split()[-1]) > 0 for line in lines)

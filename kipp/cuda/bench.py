@@ -2,6 +2,7 @@
 
     python -m kipp.cuda.bench ARTIFACT [--prompt 128] [--decode 32] [--batch 1,8] [--reference]
     python -m kipp.cuda.bench --layouts        # the CPU weight layouts (kipp.cuda.plan)
+    python -m kipp.cuda.bench --matvec         # the stored CPU matmul's one-row GB/s
     python -m kipp.cuda.bench ARTIFACT --compare f32,panels --batch 1,8   # layouts side by side
 
 Reports per configuration: compile seconds, prefill tok/s, decode tok/s (aggregate over the
@@ -192,8 +193,8 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
             repeats: int = 5) -> str:
     """Weights/s of the CPU's projection paths per weight layout (kipp.cuda.plan's choice):
     XLA's dots on float32, BF16 and packed planes, Kipp's CPU matmul on float32 panels, and
-    Kipp's stored CPU matmul on the stored planes ("kipp " rows); every layout's calls
-    interleaved per repeat, medians."""
+    Kipp's stored CPU matmul on the stored planes ("kipp " rows, and "int8 " rows for its int8
+    dot); every layout's calls interleaved per repeat, medians."""
     from kipp.cuda.cpu import matmul as cpu_matmul
     from kipp.cuda.cpu import stored_matmul
     from kipp.cuda.forward import Ops
@@ -225,6 +226,11 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
     weights = {kind: [make() for _ in range(layers)] for kind, make in shapes.items()}
     calls = {kind: jax.jit(lambda x, ws, o=o: [o.linear(x, w) for w in ws])
              for kind, o in ops.items()}
+    if stored_matmul.available()[0]:  # the int8 dot (KIPP_JAX_CPU_DOT=int8) on the same planes
+        for kind in ("q8_0", "scale4", "affine4"):
+            shapes[f"int8 {kind}"], weights[f"int8 {kind}"] = shapes[kind], weights[kind]
+            calls[f"int8 {kind}"] = jax.jit(lambda x, ws: [
+                stored_matmul.matmul(x, w, dot=stored_matmul.Dot.INT8) for w in ws])
     times = {(kind, m): [] for kind in shapes for m in m_values}
     xs = {m: jnp.asarray(rng.standard_normal((m, cols)), jnp.float32) for m in m_values}
     for (kind, m) in times:
@@ -241,6 +247,57 @@ def layouts(m_values=(1, 8, 16, 64), rows: int = 3072, cols: int = 1024, layers:
     return "\n".join(lines)
 
 
+# The 0.6B shape's one-row projections: (output rows, input columns, how many per call): the
+# attention's input and output, the MLP's, the output head.
+MATVEC_SHAPES = ((3072, 1024, 8), (1024, 3072, 8), (151936, 1024, 1))
+
+
+def _stored_planes(rng, fmt: str, rows: int, cols: int):
+    """Random stored planes of one scheme (never zeros: every value and scale varies)."""
+    from kipp.cuda.layout import Linear
+
+    groups = cols // 32
+    scale = jnp.asarray(rng.random((rows, groups)) + 0.5, jnp.float16)
+    if fmt == "bf16":
+        return Linear(jnp.asarray(rng.integers(0x3c00, 0x3f80, (rows, cols)), jnp.uint16),
+                      fmt=fmt)
+    if fmt == "q8_0":
+        return Linear(jnp.asarray(rng.integers(-127, 128, (rows, groups, 32)), jnp.int8), scale,
+                      fmt=fmt)
+    low = jnp.asarray(rng.random((rows, groups)) - 0.5, jnp.float16)
+    return Linear(jnp.asarray(rng.integers(0, 256, (rows, groups, 16)), jnp.uint8), scale,
+                  low if fmt == "affine4_gs32" else None, fmt=fmt)
+
+
+def matvec(shapes=MATVEC_SHAPES, repeats: int = 9) -> str:
+    """GB/s of stored weight bytes of Kipp's stored CPU matmul at one row, per scheme, dot and
+    shape (best of `repeats`; the bytes a decode step streams, over the call's wall time)."""
+    from kipp.cuda.cpu import stored_matmul
+
+    ok, why = stored_matmul.available()
+    if not ok:
+        return f"Kipp's stored CPU matmul is unavailable: {why}"
+    rng = np.random.default_rng(0)
+    lines = [f"one-row stored matmul, GB/s of weight bytes (best of {repeats}; load "
+             f"{os.getloadavg()[0]:.1f})"]
+    for fmt in stored_matmul.FORMATS:
+        dots = [stored_matmul.Dot.F32] + ([stored_matmul.Dot.INT8]
+                                          if fmt in stored_matmul.INT8_FORMATS else [])
+        for dot in dots:
+            cells = []
+            for rows, cols, count in shapes:
+                ws = [_stored_planes(rng, fmt, rows, cols) for _ in range(count)]
+                x = jnp.asarray(rng.standard_normal((1, cols)), jnp.float32)
+                call = jax.jit(lambda x, ws, dot=dot: [stored_matmul.matmul(x, w, dot=dot)
+                                                       for w in ws])
+                jax.block_until_ready(call(x, ws))
+                seconds = min(_timed(lambda: jax.block_until_ready(call(x, ws)), repeats))
+                size = sum(a.nbytes for w in ws for a in (w.w, w.d, w.m) if a is not None)
+                cells.append(f"{rows}x{cols}: {size / seconds / 1e9:6.2f}")
+            lines.append(f"  {fmt:13} {dot.value:5} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", nargs="?")
@@ -253,6 +310,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", action="store_true", help="also time the reference")
     parser.add_argument("--json", help="append result rows to this JSON-lines file")
     parser.add_argument("--layouts", action="store_true", help="the weight-layout measurement")
+    parser.add_argument("--matvec", action="store_true",
+                        help="GB/s of the stored CPU matmul at one row, 0.6B-shape projections")
     parser.add_argument("--compare", help="weight layouts to time side by side, e.g. f32,panels")
     parser.add_argument("--rounds", type=int, default=3, help="--compare's measured rounds")
     args = parser.parse_args(argv)
@@ -262,6 +321,9 @@ def main(argv=None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     if args.layouts:
         print(layouts())
+        return 0
+    if args.matvec:
+        print(matvec())
         return 0
     if not args.artifact:
         parser.error("an artifact path is needed (or --layouts)")

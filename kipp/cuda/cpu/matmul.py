@@ -6,8 +6,9 @@ a batched decode step or a short prefill chunk paid several times a one-row step
 weight read (`python -m kipp.cuda.bench --layouts` measures both). Layout (`pack`): W [N, K] ->
 panels [N/8, K, 8], one 8-float vector per k, streamed front to back; the embedding shares the
 tied head's panels (`rows`). The kernel (matmul.cc, an XLA FFI handler) is compiled at first use
-with the system's C++ compiler against the JAX headers for this CPU (-march=native), into
-$KIPP_HOME/build keyed by source, compiler, JAX and CPU, in one library with Kipp's CPU decode
+with the system's C++ compiler against the JAX headers, for the instruction set this CPU
+reports at load (`cpu_isa()`: AVX-512 + VNNI, AVX2 + FMA or portable on x86), into $KIPP_HOME/build
+keyed by source, compiler, JAX and instruction set, in one library with Kipp's CPU decode
 attention (attention.cc) and stored-format matmul (stored_matmul.cc). Each output is one FMA
 chain over k: a row's result is bitwise the same alone or batched. `available()` says why when
 it cannot be built (the backend then keeps XLA's dot); KIPP_JAX_CPU_MATMUL=0 turns it off.
@@ -17,6 +18,7 @@ Twin: `matmul_reference`.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -43,10 +45,34 @@ TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDeco
            "kipp_cpu_stored_matmul_bf16": "KippCpuStoredMatmulBf16",
            "kipp_cpu_stored_matmul_q8_0": "KippCpuStoredMatmulQ8_0",
            "kipp_cpu_stored_matmul_scale4_gs32": "KippCpuStoredMatmulScale4",
-           "kipp_cpu_stored_matmul_affine4_gs32": "KippCpuStoredMatmulAffine4"}
+           "kipp_cpu_stored_matmul_affine4_gs32": "KippCpuStoredMatmulAffine4",
+           "kipp_cpu_stored_matmul_q8_0_int8": "KippCpuStoredMatmulQ8_0Int8",
+           "kipp_cpu_stored_matmul_scale4_gs32_int8": "KippCpuStoredMatmulScale4Int8",
+           "kipp_cpu_stored_matmul_affine4_gs32_int8": "KippCpuStoredMatmulAffine4Int8"}
 ENV = "KIPP_JAX_CPU_MATMUL"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
 COMPILERS = ("c++", "g++", "clang++")
+PROBE = HERE / "isa.cc"  # asks the CPU which build it runs (__builtin_cpu_supports)
+
+
+class Isa(str, enum.Enum):
+    """The instruction sets the library is built for: a fixed set each (the same code on every
+    CPU that has it), chosen at load by the CPU's own answer (isa.cc), never -march=native on
+    x86. NATIVE is the rest (Arm: -march=native)."""
+
+    AVX512_VNNI = "avx512_vnni"  # AVX-512 F/BW/VL/DQ + VNNI (+ AVX2, FMA, F16C)
+    AVX2 = "avx2"  # AVX2 + FMA + F16C
+    PORTABLE = "portable"  # the baseline x86-64 set: plain C++ and std::fma
+    NATIVE = "native"
+
+
+ISA_FLAGS = {
+    Isa.AVX512_VNNI: ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                      "-mavx512dq", "-mavx512vnni"),
+    Isa.AVX2: ("-mavx2", "-mfma", "-mf16c"),
+    Isa.PORTABLE: (),
+    Isa.NATIVE: ("-march=native",),
+}
 
 
 def pack(w: np.ndarray) -> np.ndarray:
@@ -105,7 +131,8 @@ def library(switch_env: str | None = None) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[bool, str]:
     try:
-        path = build()
+        chosen = cpu_isa()
+        path = build(isa=chosen)
         library = ctypes.CDLL(str(path))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
@@ -113,38 +140,65 @@ def _load() -> tuple[bool, str]:
     except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         return False, str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     _LIBRARIES.append(library)  # keep the handlers' code mapped for the life of the process
-    return True, f"built at {path}"
+    return True, f"built for {chosen.value} at {path}"
 
 
 _LIBRARIES: list = []
 
 
-def build(directory: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The kernels' shared library for this CPU, compiled once into `directory` (default
-    $KIPP_HOME/build); raises RuntimeError naming what is missing or the compiler's error.
-    `extra_flags` follow FLAGS (the tests build the fallback paths with -mno-avx512f etc.)."""
+def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (),
+          isa: Isa | None = None) -> Path:
+    """The kernels' shared library for `isa` (default: the one this CPU runs, `cpu_isa()`),
+    compiled once into `directory` (default $KIPP_HOME/build); raises RuntimeError naming what
+    is missing or the compiler's error. `extra_flags` follow the ISA's flags."""
+    isa = Isa(isa) if isa is not None else cpu_isa()
+    flags = (*FLAGS, *ISA_FLAGS[isa], *extra_flags)
+    machine = _cpu_id() if isa is Isa.NATIVE else platform.machine()
+    return _compile(SOURCES, HEADERS, flags, ("-isystem", jax.ffi.include_dir()), machine,
+                    Path(directory or _home() / "build"), "cpu_kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa() -> Isa:
+    """The build this CPU runs: on x86 the widest of ISAS it supports, asked of the CPU by a
+    baseline-compiled probe (isa.cc); NATIVE elsewhere."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return Isa.NATIVE
+    probe = _compile((PROBE,), (), ("-O2", "-fPIC", "-shared"), (), platform.machine(),
+                     _home() / "build", "cpu_isa")
+    answer = ctypes.CDLL(str(probe)).KippCpuIsa()
+    return (Isa.PORTABLE, Isa.AVX2, Isa.AVX512_VNNI)[answer]
+
+
+def _home() -> Path:
     from kipp.formats import store
 
+    return store.home()
+
+
+def _compile(sources, headers, flags, includes, machine: str, directory: Path,
+             stem: str) -> Path:
+    """sources compiled with flags into directory/stem-KEY.so, KEY hashing everything the
+    output depends on; an existing file is reused."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=60).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join(s.encode() for s in [
-        *(f.read_text() for f in SOURCES + HEADERS), compiler, *version, *FLAGS, *extra_flags,
-        jax.__version__, _cpu_id()]))
-    directory = Path(directory or store.home() / "build")
-    path = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+        *(f.read_text() for f in (*sources, *headers)), compiler, *version, *flags,
+        jax.__version__, machine]))
+    path = directory / f"{stem}-{key.hexdigest()[:16]}.so"
     if path.is_file():
         return path
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         out = Path(scratch) / path.name
-        command = [compiler, *FLAGS, *extra_flags, "-isystem", jax.ffi.include_dir(), "-I",
-                   str(HERE), *map(str, SOURCES), "-o", str(out)]
+        command = [compiler, *flags, *includes, "-I", str(HERE), *map(str, sources), "-o",
+                   str(out)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
         os.replace(out, path)  # atomic: a concurrent build of the same key is harmless
-    log.info("built Kipp's CPU kernels: %s", path)
+    log.info("built %s", path)
     return path
 
 
@@ -158,7 +212,8 @@ def _compiler() -> str:
 
 
 def _cpu_id() -> str:
-    """What -march=native depends on: the machine and, on Linux, the CPU's feature flags."""
+    """What -march=native (Isa.NATIVE) depends on: the machine and, on Linux, the CPU's
+    feature flags."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

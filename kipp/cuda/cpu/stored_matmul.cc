@@ -5,18 +5,22 @@
 //
 // A work unit is kGroup output rows of W. Each 32-weight block is decoded exactly as
 // kipp/formats/quant.py does (bits << 16; d * q; d * (q - 8); d * q + m), with AVX-512 where
-// the CPU has it (the library is built -march=native) and plain C++ otherwise. A decode round
-// (up to 8 rows of x) decodes each block once into registers and multiplies every row against
-// it; a longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
-// decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows, each x
-// vector held in a register across the tile's W rows (loads, not FMAs, bounded the 4 x 4
-// tile). Either way each stored byte is read once.
+// the build has it (kipp/cuda/cpu/matmul.py builds for the set the CPU reports at load; the
+// 4-bit formats as a 16-entry table per block, looked up per nibble) and plain C++ otherwise.
+// A decode round (up to 8 rows of x) decodes each block once into registers and multiplies
+// every row against it; a longer round's unit is as many W rows as fill an L2-sized float32
+// scratch (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by
+// 4 W rows, each x vector held in a register across the tile's W rows (loads, not FMAs,
+// bounded the 4 x 4 tile). Either way each stored byte is read once.
 //
 // Numerics: each output y[m][n] is a 16-lane fused multiply-add chain over k (lane j sums
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations
 // whatever the tile, the row count or the thread split, so a row's result is bitwise the same
 // alone or batched. The activation stays float32 (no int8 rounding): only the summation order
-// differs from the float64 oracle.
+// differs from the float64 oracle. The int8 dot (Dot::kInt8, below) rounds x first: its own
+// numerics, every row count alike.
+#include <limits>
+
 #include "kernels.h"
 
 namespace {
@@ -115,6 +119,13 @@ inline float Half(uint16_t h) {
 
 enum class Format { kBf16, kQ8_0, kScale4, kAffine4 };
 
+#if defined(__AVX512F__)
+// *h as float32 in every lane: one broadcast and one conversion (Half's exact value).
+inline __m512 HalfBroadcast(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(*h)));
+}
+#endif
+
 // Block b of row n (n within the layer's planes) as float32, quant.py's arithmetic exactly:
 // elements 0..15 in *lo, 16..31 in *hi. AVX-512 where the CPU has it, plain C++ otherwise;
 // both give the same bits (every step is exact but affine4's one rounded add).
@@ -131,30 +142,30 @@ inline void DecodeBlock(const void* w, const uint16_t* d, const uint16_t* m, int
     *hi = reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (F == Format::kQ8_0) {
     const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
-    const __m512 scale = _mm512_set1_ps(Half(d[at]));
+    const __m512 scale = HalfBroadcast(d + at);
     const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
     *lo = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l))));
     *hi = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h))));
   } else {
+    // The block's 16 values as a table (each entry quant.py's arithmetic on that nibble, so
+    // the same bits), looked up per nibble: vpermps reads only an index's low 4 bits, so the
+    // low nibbles need no mask.
     const uint8_t* q = static_cast<const uint8_t*>(w) + at * 16;
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    __m512 h = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
-    const __m512 scale = _mm512_set1_ps(Half(d[at]));
-    if constexpr (F == Format::kScale4) {
-      const __m512 eight = _mm512_set1_ps(8.0f);
-      l = _mm512_mul_ps(scale, _mm512_sub_ps(l, eight));
-      h = _mm512_mul_ps(scale, _mm512_sub_ps(h, eight));
-    } else {
-      const __m512 low = _mm512_set1_ps(Half(m[at]));
-      l = _mm512_add_ps(_mm512_mul_ps(scale, l), low);
-      h = _mm512_add_ps(_mm512_mul_ps(scale, h), low);
+    const __m512i wide =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512 scale = HalfBroadcast(d + at);
+    __m512 table;
+    if constexpr (F == Format::kScale4) {  // d * (q - 8)
+      table = _mm512_mul_ps(scale, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
+                                                  4, 5, 6, 7));
+    } else {  // d * q + m
+      table = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                10, 11, 12, 13, 14, 15)),
+                            HalfBroadcast(m + at));
     }
-    *lo = reinterpret_cast<v16>(l);
-    *hi = reinterpret_cast<v16>(h);
+    *lo = reinterpret_cast<v16>(_mm512_permutexvar_ps(wide, table));
+    *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
   }
 #else
   float o[kBlock];
@@ -314,9 +325,215 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
   }
 }
 
+// ---- The int8 dot (Dot::kInt8): the activation quantized to int8 per 32-block ----
+// As llama.cpp's q8_0 x q8_0 dot: each row of x becomes per block an int8 vector q and a scale
+// dx = max |x| / 127 (q = round(x / dx)); a weight block's dot is then exact integer
+// arithmetic (vpdpbusd where the CPU has AVX-512 VNNI), scaled once by d * dx in float32. A
+// pair of blocks (64 weights) fills one 512-bit vector: 16 int32 lanes of 4 products each.
+enum class Dot { kF32, kInt8 };
+
+constexpr int64_t kPair = 2 * kBlock;
+
+// Byte i of a pair's 64-byte vector is block 2p + PairBlock(i), element PairElem(i): q8_0's
+// bytes in order; the nibble formats' 32 bytes as they expand (low nibbles, then high ones).
+template <Format F>
+constexpr int PairBlock(int i) {
+  return F == Format::kQ8_0 ? i / 32 : (i / 16) % 2;
+}
+template <Format F>
+constexpr int PairElem(int i) {
+  return F == Format::kQ8_0 ? i % 32 : i % 16 + 16 * (i / 32);
+}
+
+// One pair of one x row, laid out as the weights' bytes: q in the pair order, and per lane
+// (4 bytes) its block's dx, the integer added to the lane's dot (the weights' offset times the
+// lane's sum of q: q8_0's 128 from reading its int8 as unsigned, scale4's 8), and dx times the
+// lane's sum of q (affine4's m term). A missing last block is zeros.
+struct alignas(64) QPair {
+  int8_t q[kPair];
+  float dx[16];
+  int32_t corr[16];
+  float t[16];
+};
+
+// x row [k] -> its pairs, plain scalar arithmetic (the same bits in every build).
+template <Format F>
+void QuantizeRow(const float* x, int64_t k, QPair* out) {
+  const int64_t blocks = k / kBlock, pairs = (blocks + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    int8_t q[2][kBlock] = {};
+    float dx[2] = {0.0f, 0.0f};
+    for (int h = 0; h < 2 && 2 * p + h < blocks; ++h) {
+      const float* v = x + (2 * p + h) * kBlock;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int j = 0; j < kBlock; ++j) {
+        amax = std::max(amax, std::fabs(v[j]));
+        finite = finite && std::isfinite(v[j]);
+      }
+      // a NaN or inf in x makes the row's outputs NaN (as the float32 dot would), not a clamp
+      dx[h] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      if (dx[h] == 0.0f || !finite) continue;
+      for (int j = 0; j < kBlock; ++j) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
+        const float r = std::nearbyint(v[j] / dx[h]);
+        q[h][j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+      }
+    }
+    QPair& o = out[p];
+    for (int i = 0; i < kPair; ++i) o.q[i] = q[PairBlock<F>(i)][PairElem<F>(i)];
+    for (int l = 0; l < 16; ++l) {
+      int32_t sum = 0;
+      for (int j = 0; j < 4; ++j) sum += o.q[4 * l + j];
+      const float scale = dx[PairBlock<F>(4 * l)];
+      o.dx[l] = scale;
+      o.corr[l] = F == Format::kQ8_0 ? -128 * sum : F == Format::kScale4 ? -8 * sum : 0;
+      o.t[l] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KIPP_VNNI 1
+using PairBytes = __m512i;
+#else
+struct PairBytes {
+  uint8_t b[kPair];
+};
+#endif
+
+// Weight row n's pair p as unsigned bytes in the pair order (q8_0 as q + 128), with its
+// blocks' d (and m) per lane; `tail`: the pair's second block is past the row's end.
+template <Format F>
+inline void LoadPair(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, int64_t p,
+                     int64_t blocks, PairBytes* a, v16* dv, v16* mv) {
+  const int64_t at = n * blocks + 2 * p;
+  const bool tail = 2 * p + 1 == blocks;
+#if defined(KIPP_VNNI)
+  if constexpr (F == Format::kQ8_0) {
+    const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
+    const __m512i v = tail ? _mm512_maskz_loadu_epi8(0xffffffffULL, q) : _mm512_loadu_si512(q);
+    *a = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const uint8_t* q = static_cast<const uint8_t*>(w) + at * 16;
+    const __m256i v = tail ? _mm256_maskz_loadu_epi8(0xffff, q)
+                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    *a = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_and_si256(v, mask)),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
+  }
+  // lane l's block: q8_0 l / 8, the nibble formats (l / 4) % 2
+  const __m512i index = F == Format::kQ8_0
+      ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+      : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  auto spread = [&](const uint16_t* plane) {
+    uint32_t two = plane[at];
+    if (!tail) std::memcpy(&two, plane + at, 4);
+    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+    return reinterpret_cast<v16>(_mm512_permutexvar_ps(index, _mm512_zextps128_ps512(pair)));
+  };
+  *dv = spread(d);
+  if constexpr (F == Format::kAffine4) *mv = spread(m);
+#else
+  for (int i = 0; i < kPair; ++i) {
+    const int h = PairBlock<F>(i), j = PairElem<F>(i);
+    uint8_t byte = 0;
+    if (!(tail && h == 1)) {
+      if constexpr (F == Format::kQ8_0) {
+        byte = static_cast<uint8_t>(static_cast<const int8_t*>(w)[(at + h) * kBlock + j] + 128);
+      } else {
+        const uint8_t nib = static_cast<const uint8_t*>(w)[(at + h) * 16 + j % 16];
+        byte = j < 16 ? nib & 0x0f : nib >> 4;
+      }
+    } else if constexpr (F == Format::kQ8_0) {
+      byte = 128;  // as the vector path's zero byte xor 0x80 (times q = 0)
+    }
+    a->b[i] = byte;
+  }
+  for (int l = 0; l < 16; ++l) {
+    const int h = PairBlock<F>(4 * l);
+    const bool gone = tail && h == 1;
+    (*dv)[l] = gone ? 0.0f : Half(d[at + h]);
+    if constexpr (F == Format::kAffine4) (*mv)[l] = gone ? 0.0f : Half(m[at + h]);
+  }
+#endif
+}
+
+// acc + d * dx * (a . q + corr), lane by lane (and + m * t for affine4).
+template <Format F>
+inline v16 PairDot(const QPair& x, const PairBytes& a, v16 dv, v16 mv, v16 acc) {
+#if defined(KIPP_VNNI)
+  const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(x.corr), a,
+                                          _mm512_load_si512(x.q));
+  const __m512 s = _mm512_mul_ps(reinterpret_cast<__m512>(dv), _mm512_load_ps(x.dx));
+  __m512 out = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), reinterpret_cast<__m512>(acc));
+  if constexpr (F == Format::kAffine4) {
+    out = _mm512_fmadd_ps(reinterpret_cast<__m512>(mv), _mm512_load_ps(x.t), out);
+  }
+  return reinterpret_cast<v16>(out);
+#else
+  for (int l = 0; l < 16; ++l) {
+    int32_t dot = x.corr[l];
+    for (int j = 0; j < 4; ++j) dot += int32_t{a.b[4 * l + j]} * int32_t{x.q[4 * l + j]};
+    const float s = dv[l] * x.dx[l];
+    acc[l] = std::fma(s, static_cast<float>(dot), acc[l]);
+    if constexpr (F == Format::kAffine4) acc[l] = std::fma(mv[l], x.t[l], acc[l]);
+  }
+  return acc;
+#endif
+}
+
+// R quantized x rows against W rows n0 .. n0 + C - 1: each output one 16-lane chain over the
+// pairs in order, then Sum16: the same operations whatever R, C or the thread split.
+template <Format F, int R, int C>
+void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const uint16_t* d,
+           const uint16_t* m, int64_t n0, float* y, int64_t ldy) {
+  v16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
+  for (int64_t p = 0; p < pairs; ++p) {
+    PairBytes a[C];
+    v16 dv[C], mv[C] = {};
+    for (int c = 0; c < C; ++c) LoadPair<F>(w, d, m, n0 + c, p, blocks, a + c, dv + c, mv + c);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = PairDot<F>(x[r * pairs + p], a[c], dv[c], mv[c],
+                                                         acc[r][c]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + n0 + c] = Sum16(acc[r][c]);
+}
+
+constexpr int kQRows = 4;
+template <Format F>
+struct QTiles {
+  using Fn = void (*)(const QPair*, int64_t, int64_t, const void*, const uint16_t*,
+                      const uint16_t*, int64_t, float*, int64_t);
+  static constexpr Fn kTiles[kQRows][kTile] = {
+      {QTile<F, 1, 1>, QTile<F, 1, 2>, QTile<F, 1, 3>, QTile<F, 1, 4>},
+      {QTile<F, 2, 1>, QTile<F, 2, 2>, QTile<F, 2, 3>, QTile<F, 2, 4>},
+      {QTile<F, 3, 1>, QTile<F, 3, 2>, QTile<F, 3, 3>, QTile<F, 3, 4>},
+      {QTile<F, 4, 1>, QTile<F, 4, 2>, QTile<F, 4, 3>, QTile<F, 4, 4>}};
+};
+
+// Unit u of the int8 dot: W rows [u * group, ...) against every quantized x row, in tiles of
+// up to 4 x rows (their pairs stay in L1) by 4 W rows.
+template <Format F>
+void QUnit(const QPair* x, const void* w, const uint16_t* d, const uint16_t* m, float* y,
+           int64_t rows, int64_t k, int64_t n, int64_t group, int64_t u) {
+  const int64_t blocks = k / kBlock, pairs = (blocks + 1) / 2;
+  const int64_t first = u * group, count = std::min(group, n - first);
+  for (int64_t r = 0; r < rows; r += kQRows) {
+    const int64_t tr = std::min<int64_t>(kQRows, rows - r);
+    for (int64_t c = 0; c < count; c += kTile) {
+      const int64_t tc = std::min(kTile, count - c);
+      QTiles<F>::kTiles[tr - 1][tc - 1](x + r * pairs, pairs, blocks, w, d, m, first + c,
+                                        y + r * n, n);
+    }
+  }
+}
+
 // Shared by every format's handler: checks, the layer's planes, the parallel loop.
 // `per_row` is the plane's elements per weight row ([L, N, per_row] once flattened).
-template <Format F>
+template <Format F, Dot D = Dot::kF32>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_base,
                ffi::Span<const int64_t> wd, int64_t w_item, const uint16_t* d_base,
                const uint16_t* m_base, ffi::Buffer<ffi::S32>& layer,
@@ -346,9 +563,22 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   if (rows == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if constexpr (D == Dot::kInt8) {
+    const int64_t pairs = (blocks + 1) / 2, group = rows <= 2 * kQRows ? kGroup : 4 * kGroup;
+    std::unique_ptr<QPair, decltype(&std::free)> q(
+        static_cast<QPair*>(std::aligned_alloc(64, rows * pairs * sizeof(QPair))), &std::free);
+    if (!q) throw std::bad_alloc();
+    for (int64_t r = 0; r < rows; ++r) QuantizeRow<F>(xp + r * k, k, q.get() + r * pairs);
+    const QPair* qp = q.get();
+    const int64_t units = (n + group - 1) / group;
+    kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
+      QUnit<F>(qp, wp, dp, mp, yp, rows, k, n, group, u);
+    });
+    return ffi::Error::Success();
+  }
   const int64_t group = Group(rows, k);
   const int64_t units = (n + group - 1) / group;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
     Unit<F>(xp, wp, dp, mp, yp, rows, k, n, group, u);
   });
@@ -370,7 +600,7 @@ ffi::Error Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
 }
 
 // The quantized formats: w's element type and the scale planes' shapes checked, then Run.
-template <Format F>
+template <Format F, Dot D = Dot::kF32>
 ffi::Error Quantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      ffi::AnyBuffer d, ffi::AnyBuffer* m, ffi::Buffer<ffi::S32> layer,
                      ffi::ResultBuffer<ffi::F32> y) {
@@ -387,7 +617,7 @@ ffi::Error Quantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     return ffi::Error::InvalidArgument(
         "kipp_cpu_stored_matmul: d or m does not match w's blocks");
   }
-  return Run<F>(pool, x, w.untyped_data(), w.dimensions(), 1,
+  return Run<F, D>(pool, x, w.untyped_data(), w.dimensions(), 1,
                 static_cast<const uint16_t*>(d.untyped_data()),
                 m ? static_cast<const uint16_t*>(m->untyped_data()) : nullptr, layer, y);
 }
@@ -407,6 +637,24 @@ ffi::Error Affine4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
                    ffi::AnyBuffer d, ffi::AnyBuffer m, ffi::Buffer<ffi::S32> layer,
                    ffi::ResultBuffer<ffi::F32> y) {
   return Quantized<Format::kAffine4>(pool, x, w, d, &m, layer, y);
+}
+
+ffi::Error Q8_0Int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                    ffi::AnyBuffer d, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized<Format::kQ8_0, Dot::kInt8>(pool, x, w, d, nullptr, layer, y);
+}
+
+ffi::Error Scale4Int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::AnyBuffer d, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized<Format::kScale4, Dot::kInt8>(pool, x, w, d, nullptr, layer, y);
+}
+
+ffi::Error Affine4Int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                       ffi::AnyBuffer d, ffi::AnyBuffer m, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized<Format::kAffine4, Dot::kInt8>(pool, x, w, d, &m, layer, y);
 }
 
 }  // namespace
@@ -435,6 +683,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulQ8_0, Q8_0, ScaledBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulScale4, Scale4, ScaledBinding());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulQ8_0Int8, Q8_0Int8, ScaledBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulScale4Int8, Scale4Int8, ScaledBinding());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulAffine4, Affine4,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -444,3 +696,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulAffine4, Affine4,
                                   .Arg<ffi::AnyBuffer>()  // m: fp16 (or its bits)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulAffine4Int8, Affine4Int8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

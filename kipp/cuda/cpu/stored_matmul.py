@@ -4,8 +4,8 @@
 Why: a CPU decode step is bound by the bytes it streams; the float32 panels (kipp.cuda.cpu.
 matmul) stream 4 bytes a weight whatever the artifact holds, and XLA's own dots over the stored
 planes run far slower. The kernel (stored_matmul.cc, built into the library kipp.cuda.cpu.matmul
-compiles for this CPU with -march=native: AVX-512 where the CPU has it, AVX2 + FMA otherwise,
-plain vectors elsewhere) decodes the weights exactly as kipp.formats.quant.dequantize does,
+builds for the instruction set the CPU reports at load: AVX-512 + VNNI, AVX2 + FMA, or plain
+C++) decodes the weights exactly as kipp.formats.quant.dequantize does,
 into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
 multiplies every row of x against them: each stored byte is read once per call, however many
 rows; a long round runs about as fast as the float32 panels, so weight_memory "auto" keeps the
@@ -13,9 +13,17 @@ stored format where this kernel runs (kipp.memory). The activation stays float32
 against the float64 oracle is float32 summation (tests/test_cpu_stored_matmul.py), and a row's
 result is bitwise the same alone or batched. `available()` says why when it cannot be built;
 KIPP_JAX_CPU_STORED=0 turns it off. Twin: kipp.cuda.pallas.quant_matmul.quant_matmul_reference.
+
+Dot.INT8 (KIPP_JAX_CPU_DOT=int8, opt-in) rounds each row of x to int8 per 32-block (llama.cpp's
+q8_0 activation) and runs the quantized formats as integer dots (AVX-512 VNNI where present):
+about twice the compute rate per core, each row still bitwise the same alone or batched, but
+the rounding moves the logits outside the JAX backend's calibrated bounds (docs/backends.md).
 """
 
 from __future__ import annotations
+
+import enum
+import os
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +32,30 @@ from kipp.cuda.cpu import matmul as cpu_matmul
 from kipp.cuda.layout import Linear
 
 ENV = "KIPP_JAX_CPU_STORED"
+DOT_ENV = "KIPP_JAX_CPU_DOT"
 FORMATS = ("bf16", "q8_0", "scale4_gs32", "affine4_gs32")
+
+
+class Dot(str, enum.Enum):
+    """How a row of x meets the weights: float32 as it is (the default), or quantized to int8
+    per 32-block first (the quantized formats; bf16 keeps float32), an integer dot per block."""
+
+    F32 = "f32"
+    INT8 = "int8"
+
+
+INT8_FORMATS = ("q8_0", "scale4_gs32", "affine4_gs32")
+
+
+def dot_mode() -> Dot:
+    """The dot $KIPP_JAX_CPU_DOT asks for (read when a step is traced); raises naming the
+    variable for a value it does not know."""
+    value = os.environ.get(DOT_ENV, Dot.F32.value)
+    try:
+        return Dot(value)
+    except ValueError:
+        raise ValueError(f"{DOT_ENV}={value!r}: expected one of "
+                         f"{', '.join(d.value for d in Dot)}") from None
 
 
 def available() -> tuple[bool, str]:
@@ -32,11 +63,12 @@ def available() -> tuple[bool, str]:
     return cpu_matmul.library(ENV)
 
 
-def matmul(x: jax.Array, w: Linear, layer=None) -> jax.Array:
+def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | None = None) -> jax.Array:
     """x [M, K] float32 @ W^T -> [M, N] float32, W a "device"-layout Linear of one of FORMATS
     (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes
     stacked over layers `[L, ...]` and read at `layer` (the kernel indexes the stack: no
-    copy)."""
+    copy). `dot` (default: dot_mode()) Dot.INT8 quantizes x per block for the quantized
+    formats."""
     if w.fmt not in FORMATS:
         raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
     ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
@@ -46,5 +78,7 @@ def matmul(x: jax.Array, w: Linear, layer=None) -> jax.Array:
     if layer is None:
         planes, layer = [a[None] for a in planes], 0
     out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{w.fmt}", out)(
+    dot = Dot(dot) if dot is not None else dot_mode()
+    suffix = "_int8" if dot is Dot.INT8 and w.fmt in INT8_FORMATS else ""
+    return jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{w.fmt}{suffix}", out)(
         x.astype(jnp.float32), *planes, jnp.asarray(layer, jnp.int32).reshape(1))
