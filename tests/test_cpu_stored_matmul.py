@@ -277,22 +277,10 @@ def test_the_jax_backend_runs_every_scheme_through_it(artifacts, monkeypatch, sc
         assert result.passed, result.detail
 
 
-@pytest.fixture
-def fresh_traces():
-    """KIPP_JAX_CPU_DOT is read when a step is traced, and the JAX backend shares compiled
-    steps across backends by a signature the dot is not part of (kipp.cuda.backend._PROGRAMS):
-    no step compiled under one dot may serve a test under the other."""
-    from kipp.cuda import backend
-
-    backend._PROGRAMS.clear()
-    yield
-    backend._PROGRAMS.clear()
-
-
 @pytest.mark.slow  # ~20 s a scheme
 @needs_kernel
 @pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
-def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, fresh_traces, scheme):
+def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, scheme):
     """KIPP_JAX_CPU_DOT=int8 through the JAX backend, prefill and decode across a block
     boundary: against the numpy reference whose quantized projections round x the same way
     (_int8_rows) it passes INT8_BACKEND_BOUND; against the plain reference it does not pass
@@ -305,11 +293,16 @@ def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, fresh_traces, schem
     from kipp.reference.backend import ReferenceBackend
 
     artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", scheme))
-    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
-    backend = JaxBackend(artifact, 12, weight_memory="stored")
-    assert backend.plan.cpu_stored
     table = np.random.default_rng(0).permutation(12)[:3]
     tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
+    # the float32 dot's steps compiled first at the same shapes: the dot is part of the shared
+    # program key (kipp.cuda.backend._PROGRAMS), so the int8 backend must not reuse them
+    gates.gate_backends(ReferenceBackend(artifact, 12), JaxBackend(artifact, 12,
+                        weight_memory="stored"), tokens, table, logits_rows=30, decode_steps=4,
+                        bound=1e-4)
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
+    backend = JaxBackend(artifact, 12, weight_memory="stored")
+    assert backend.plan.cpu_stored and "int8 dot" in backend.describe()
     plain = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
                                 logits_rows=30, decode_steps=4, bound=1e-4)
     linear = ops.linear

@@ -28,6 +28,7 @@ import numpy as np
 from kipp import memory, probe
 from kipp.backend import KV_BLOCK, Backend, EvalError, EvalItem
 from kipp.cuda import forward, kvcache, layout, plan, rounds
+from kipp.cuda.cpu import stored_matmul as cpu_stored
 from kipp.display import step_bar
 from kipp.errors import KippError
 from kipp.formats import kvquant
@@ -80,6 +81,7 @@ class JaxBackend(Backend):
         self.choice, self.memory, self.layout = (self.plan.choice, self.plan.memory,
                                                  self.plan.layout)
         self.cpu_attention, self.stacked = self.plan.cpu_attention, self.plan.stacked
+        self._dot = cpu_stored.dot_mode()  # $KIPP_JAX_CPU_DOT at load: part of the program key
         self.compiler_options = dict(LEAN_CPU_COMPILE) if self.plan.lean_compile else {}
         self.fallback = probe.fallback_enabled(fallback)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
@@ -138,6 +140,8 @@ class JaxBackend(Backend):
                    else f"{self.layout} weights")
         if self.plan.cpu_stored:
             weights += ", Kipp CPU stored matmul"
+            if self._dot is not cpu_stored.Dot.F32:
+                weights += f" ({self._dot.value} dot)"
         if self.cpu_attention:
             weights += ", Kipp CPU decode attention"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
@@ -314,7 +318,8 @@ class JaxBackend(Backend):
         kernels = self.choice.kernels and bool(self.kernels.running)
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back),
-                           cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored)
+                           cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored,
+                           cpu_dot=self._dot.value)
 
 
 def _io_chunks(block_ids: Sequence[int]) -> list[np.ndarray]:

@@ -48,7 +48,7 @@ INT8_FORMATS = ("q8_0", "scale4_gs32", "affine4_gs32")
 
 
 def dot_mode() -> Dot:
-    """The dot $KIPP_JAX_CPU_DOT asks for (read when a step is traced); raises naming the
+    """The dot $KIPP_JAX_CPU_DOT asks for (JaxBackend reads it at load); raises naming the
     variable for a value it does not know."""
     value = os.environ.get(DOT_ENV, Dot.F32.value)
     try:
