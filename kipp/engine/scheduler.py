@@ -155,6 +155,13 @@ class Scheduler:
     def validate(self, request: Request, session: Session | None = None) -> None:
         """Raise SchedulerError, naming the field (`param`), for a request that can never run."""
         admission.check_request(self.model, request, self.max_batch, session)
+        adapters = getattr(self.model.backend, "adapters", {})
+        if request.adapter is not None and request.adapter not in adapters:
+            raise SchedulerError(f"adapter {request.adapter!r} is not loaded (loaded: "
+                                 f"{', '.join(sorted(adapters)) or 'none'})", param="model")
+        if session is not None and session.adapter != request.adapter:
+            raise SchedulerError(f"the session runs under adapter {session.adapter!r}, the "
+                                 f"request under {request.adapter!r}", param="model")
         if request.reasoning is not None and self.think_tokens is None:
             raise SchedulerError("this model's vocabulary has no single-token <think> tags, so "
                                  "its reasoning cannot be split or bounded", param="reasoning")
@@ -404,7 +411,7 @@ class Scheduler:
         run = Run(self, ticket)
         borrowed = ticket.session is not None
         leader = ticket.session if borrowed else model.session(
-            len(request.prompt) + request.max_tokens)
+            len(request.prompt) + request.max_tokens, adapter=request.adapter)
         had_tokens = borrowed and bool(leader.tokens)
         # scoring a prompt needs every prompt row's logits, so it adopts nothing
         run.cached_tokens = admission.keep_prefix(leader, request.prompt,
