@@ -22,10 +22,10 @@ SPECS = {"alpha": (4, 8, ALL, False, 1, 0.01),
          "beta": (8, 4, ("q_proj", "v_proj", "down_proj"), True, 2, 0.02)}
 # The BF16-KV reference vs peft's float32 KV: the rounding the KV storage contract makes, which
 # the synthetic circuits amplify more under an adapter than the base's 1e-5 (measured
-# on SPECS with DEFAULT_PROMPTS[:3], `pytest tests/test_lora.py -k bf16_kv -s`);
-# the exactness of the low-rank term itself is gated with float32 KV at 1e-10.
+# on SPECS with DEFAULT_PROMPTS[:3], `pytest -m slow tests/test_lora.py -k peft -s`);
+# the exactness of the low-rank term itself is gated with float32 KV.
 LORA_BF16_KV_NMSE = 1e-2  # measured 1.69e-3 (x 5.9)
-LORA_F32_KV_NMSE = 1e-8  # float32 rounding only: measured 1.41e-9 (x 7.1), -k peft -s
+LORA_F32_KV_NMSE = 1e-8  # float32 rounding only: measured 1.41e-9 (x 7.1), same command
 
 
 def make_peft_adapter(source, out, rank, alpha, targets, rslora, seed, b_std, base=TINY):
@@ -81,8 +81,11 @@ def mlx_twin(peft_dir, out, rank, alpha, rslora):
 
 @pytest.fixture(scope="module")
 def made(tiny_dir, tmp_path_factory):
+    return make_adapters(tiny_dir, tmp_path_factory.mktemp("lora"))
+
+
+def make_adapters(tiny_dir, root):
     """name -> (folder, peft model) for SPECS, plus each one's mlx-lm twin folder."""
-    root = tmp_path_factory.mktemp("lora")
     out = {}
     for name, (rank, alpha, targets, rslora, seed, b_std) in SPECS.items():
         folder = root / name
@@ -111,7 +114,9 @@ def all_logits(model, tokens, adapter=None):
 
 # -- the gates ------------------------------------------------------------------------------
 
-def test_reference_with_peft_adapters_matches_transformers_and_peft(artifacts, made):
+@pytest.mark.parametrize("count", [
+    1, pytest.param(3, marks=pytest.mark.slow)])  # prompts: the slow run has the bound's set
+def test_reference_with_peft_adapters_matches_transformers_and_peft(artifacts, made, count):
     """With float32 K/V (the reference's diagnostic) the only difference left is float32
     rounding: the low-rank term is exact."""
     from kipp.formats.artifact import open_artifact
@@ -123,7 +128,7 @@ def test_reference_with_peft_adapters_matches_transformers_and_peft(artifacts, m
     worst = 0.0
     for name in SPECS:
         model.add_adapter(name, made[name][0])
-        for tokens in prompts(model):
+        for tokens in prompts(model)[:count]:
             want = peft_logits(made[name][1], tokens)
             got = all_logits(model, tokens, name)
             assert gates.nmse(all_logits(model, tokens), want) > 1e-2, "the adapter matters"
@@ -133,6 +138,7 @@ def test_reference_with_peft_adapters_matches_transformers_and_peft(artifacts, m
     assert worst <= LORA_F32_KV_NMSE
 
 
+@pytest.mark.slow  # ~35 s: every prompt's logits, both adapters, peft and the reference
 def test_bf16_kv_reference_with_adapters_matches_peft_within_its_bound(lora_model, made):
     worst = 0.0
     for name in SPECS:
@@ -355,3 +361,84 @@ def test_a_prefix_computed_under_one_adapter_is_never_adopted_under_another(lora
             assert adopted == 80, (adapter, adopted)
             assert np.array_equal(got, want), adapter
         pool.check()
+
+
+# -- surfaces -------------------------------------------------------------------------------
+
+def greedy(model, prompt, adapter=None, n=8):
+    """Greedy tokens computed here from session logits (not through generate): the oracle."""
+    ids = model.tokenizer.encode(prompt)
+    out = []
+    with model.session(adapter=adapter) as s:
+        logits = s.eval(ids)
+        for _ in range(n):
+            out.append(int(logits[-1].argmax()))
+            logits = s.eval([out[-1]])
+    return out
+
+
+def test_generate_chat_and_sessions_run_under_the_named_adapter(lora_model):
+    prompt = gates.DEFAULT_PROMPTS[0]
+    want = {a: greedy(lora_model, prompt, a) for a in ("alpha", "beta", None)}
+    assert len({tuple(v) for v in want.values()}) == 3, "each adapter changes the greedy text"
+    for adapter, tokens in want.items():
+        g = lora_model.generate(prompt, 8, stream=True, temperature=0, adapter=adapter,
+                                logit_bias={151643: -100, 151645: -100})
+        "".join(g)
+        assert list(g.stats.tokens) == tokens, adapter
+    with lora_model.session(adapter="beta") as s:  # a session's adapter carries to generate
+        g = lora_model.generate(prompt, 8, stream=True, temperature=0, session=s,
+                                logit_bias={151643: -100, 151645: -100})
+        "".join(g)
+        assert list(g.stats.tokens) == want["beta"]
+        from kipp.generation import GenerationError
+        with pytest.raises(GenerationError, match="the session runs under adapter 'beta'"):
+            lora_model.generate(prompt, 2, session=s, adapter="alpha")
+    reply = lora_model.chat([{"role": "user", "content": "hi"}], 4, temperature=0,
+                            adapter="alpha", enable_thinking=False)
+    assert isinstance(str(reply), str)
+
+
+def test_the_server_routes_a_request_model_to_its_adapter_and_lists_adapters(lora_model):
+    from kipp.engine.scheduler import Scheduler
+    from kipp.http.app import create_app
+
+    scheduler = Scheduler(lora_model, max_queue=8).start()
+    try:
+        client = create_app(lora_model, scheduler).test_client()
+        cards = {c["id"]: c for c in client.get("/v1/models").json["data"]}
+        assert set(cards) == {TINY, "alpha", "beta", "alpha-mlx", "beta-mlx"}
+        assert cards["alpha"]["parent"] == TINY and "parent" not in cards[TINY]
+        assert cards["beta"]["kipp"]["adapter"] == {
+            "base": TINY, "format": "peft", "rank": 8, "scale": 4 / np.sqrt(8),
+            "targets": ["q", "v", "down"]}
+        assert client.get("/v1/models/beta-mlx").json["kipp"]["adapter"]["format"] == "mlx"
+        prompt = gates.DEFAULT_PROMPTS[0]
+        for name, adapter in ((TINY, None), ("alpha", "alpha"), ("beta", "beta")):
+            r = client.post("/v1/completions", json={
+                "model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "logit_bias": {"151643": -100, "151645": -100}})
+            assert r.status_code == 200, r.json
+            want = lora_model.tokenizer.decode(greedy(lora_model, prompt, adapter))
+            assert r.json["choices"][0]["text"] == want, name
+        r = client.post("/v1/completions", json={"model": "gamma", "prompt": "a"})
+        assert r.status_code == 404 and "'alpha'" in r.json["error"]["message"]
+    finally:
+        scheduler.stop()
+
+
+def test_cli_run_with_lora_generates_under_it(artifacts, made, capsys):
+    from kipp.cli import main as cli_main
+    from kipp.model import load
+
+    path = str(artifacts(TINY))
+    prompt = gates.DEFAULT_PROMPTS[0]
+    assert cli_main(["run", path, "--prompt", prompt, "--max-tokens", "6", "--temperature",
+                     "0", "--backend", "reference", "--lora", f"beta={made['beta'][0]}"]) == 0
+    model = load(path, backend="reference", progress=False, kv_tokens=1024,
+                 adapters={"beta": made["beta"][0]})
+    assert capsys.readouterr().out.strip() == model.generate(
+        prompt, 6, temperature=0, adapter="beta").strip()
+    assert cli_main(["run", path, "--prompt", "a", "--backend", "reference",
+                     "--lora", "beta"]) != 0
+    assert "--lora 'beta': give NAME=PATH" in capsys.readouterr().err

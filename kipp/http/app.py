@@ -14,6 +14,7 @@ the response iterator, whose `finally` cancels the tickets.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -22,7 +23,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from kipp.engine.scheduler import (
@@ -65,7 +66,13 @@ class Server:
                  reasoning_format: str = "auto", max_output_tokens: int | None = None,
                  stops: tuple[str, ...] = ()):
         self.model, self.scheduler = model, scheduler
-        self.served = served  # the first is the name responses report
+        self.base_names = served  # the base weights' names; the first is the one reported
+        # a request's "model" may also name a loaded LoRA adapter (as vLLM's --lora-modules)
+        self.adapters = tuple(getattr(model.backend, "adapters", {}))
+        clash = sorted(set(self.adapters) & set(served))
+        if clash:
+            raise ValueError(f"adapter name {clash[0]!r} is also a served model name")
+        self.served = served + self.adapters
         self.tokenizer = model.tokenizer
         self.token_text = TokenText(model.tokenizer)
         self.metrics = Metrics(scheduler)
@@ -78,6 +85,17 @@ class Server:
     @property
     def name(self) -> str:
         return self.served[0]
+
+    def _under_adapter(self, call: Call) -> Call:
+        """The call's requests under the adapter the body's "model" names (checked already
+        against `served` by the parser), else unchanged: the base weights."""
+        body = g.get("json_body")
+        name = body.get("model") if isinstance(body, dict) else None
+        if name not in self.adapters:
+            return call
+        return dataclasses.replace(
+            call, request=dataclasses.replace(call.request, adapter=name),
+            batch=tuple(dataclasses.replace(r, adapter=name) for r in call.batch))
 
     def chat_context(self) -> ChatContext:
         """What a chat translator needs (kipp.http.schema.chat_request)."""
@@ -102,6 +120,7 @@ class Server:
 
     def answer(self, call: Call, shape: Shape, endpoint: str):
         """Submit the call and answer: an SSE stream, or the whole response once it is done."""
+        call = self._under_adapter(call)
         ticket = _submit(self.scheduler, call)
         gone = request.environ.get("waitress.client_disconnected")
         if call.stream:
@@ -276,7 +295,7 @@ def _info_routes(app: Flask, server: Server) -> None:
     @app.get("/v1/models")
     def models():
         return {"object": "list",
-                "data": [_model_card(model, name, created) for name in server.served]}
+                "data": [_card(server, name, created) for name in server.served]}
 
     @app.get("/v1/models/<path:name>")
     def one_model(name: str):
@@ -284,7 +303,7 @@ def _info_routes(app: Flask, server: Server) -> None:
             names = ", ".join(f"'{n}'" for n in server.served)
             raise APIError(404, f"model '{name}' is not served here; this server serves "
                                 f"{names}", "model", "model_not_found")
-        return _model_card(model, name, created)
+        return _card(server, name, created)
 
 
 def _generation_routes(app: Flask, server: Server) -> None:
@@ -460,6 +479,18 @@ def _failure(event: Failed) -> APIError:
         return APIError(503, f"the request was ended: {event.message}", code="shutting_down",
                         type="server_error")
     return APIError(500, f"the request failed: {event.message}", type="server_error")
+
+
+def _card(server: Server, name: str, created: int) -> dict:
+    """A served name's card; an adapter's names its base (`parent`, as vLLM lists LoRAs)."""
+    card = _model_card(server.model, name, created)
+    if name in server.adapters:
+        adapter = server.model.backend.adapters[name]
+        card["parent"] = server.name
+        card["kipp"]["adapter"] = {"base": adapter.base, "format": adapter.format,
+                                   "rank": adapter.rank, "scale": adapter.scale,
+                                   "targets": list(adapter.targets)}
+    return card
 
 
 def _model_card(model, served: str, created: int) -> dict:

@@ -38,3 +38,32 @@ def add_low_rank(y: np.ndarray, x: np.ndarray, groups, layer: int, proj: str) ->
         for i in rows:
             y[i] += scale * (b @ (a @ x[i]))
     return y
+
+
+def stack_adapters(adapters: dict, entry) -> tuple[dict[str, int], dict]:
+    """The accelerated backends' layout of the loaded adapters: (name -> slot, {projection:
+    (A [layers, S, r, in], B [layers, S, out, r])}) float32, the scale folded into B, ranks
+    zero-padded to the largest (zero rows and columns add exact zeros). Only projections some
+    adapter targets are present; ({}, {}) with no adapters."""
+    from kipp.lora.adapter import PROJECTIONS, projection_shape
+
+    names = sorted(adapters)
+    if not names:
+        return {}, {}
+    rank = max(adapters[n].rank for n in names)
+    stacked = {}
+    for proj in PROJECTIONS:
+        if not any(proj in adapters[n].targets for n in names):
+            continue
+        out, inp = projection_shape(entry, proj)
+        a = np.zeros((entry.layers, len(names), rank, inp), np.float32)
+        b = np.zeros((entry.layers, len(names), out, rank), np.float32)
+        for s, name in enumerate(names):
+            adapter = adapters[name]
+            for layer in range(entry.layers):
+                pair = adapter.weights.get((layer, proj))
+                if pair is not None:
+                    a[layer, s, :adapter.rank] = pair[0]
+                    b[layer, s, :, :adapter.rank] = np.float32(adapter.scale) * pair[1]
+        stacked[proj] = (a, b)
+    return {name: s for s, name in enumerate(names)}, stacked
