@@ -1,13 +1,11 @@
-"""LoRA on the accelerated backends: the JAX twins (every weight scheme, the low-rank part in
-float32 beside the base) against the reference with the same adapters, a batch mixing two
+"""LoRA on the accelerated backends: the JAX and MLX twins (every weight scheme, the low-rank part
+in float32 beside the base) against the reference with the same adapters, a batch mixing two
 adapters and the base against each item alone."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
 
 from test_lora import TINY, make_adapters  # noqa: E402
 
@@ -52,14 +50,27 @@ def _run(backend, prompts, tables, steps=2):
     return [np.concatenate(rows) for rows in out]
 
 
-@pytest.mark.slow  # ~40 s a scheme on two cores: the step compiles for four shapes
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_jax_with_adapters_matches_the_reference_and_batches(artifacts, made, scheme):
-    from kipp.cuda.backend import JaxBackend
+def _accelerated(name, artifact):
+    if name == "jax":
+        pytest.importorskip("jax")
+        from kipp.cuda.backend import JaxBackend
 
+        return JaxBackend(artifact, BLOCKS)
+    pytest.importorskip("mlx.core")
+    from kipp.apple.backend import MLXBackend
+
+    return MLXBackend(artifact, BLOCKS)
+
+
+# jax: ~40 s a scheme on two cores (the step compiles for four shapes); mlx: ~15 s; the
+# default suite runs mlx on bf16
+@pytest.mark.parametrize("backend, scheme", [
+    (b, s) if (b, s) == ("mlx", "bf16") else pytest.param(b, s, marks=pytest.mark.slow)
+    for b in ("jax", "mlx") for s in SCHEMES])
+def test_adapters_match_the_reference_and_batch(artifacts, made, scheme, backend):
     artifact = open_artifact(artifacts(TINY, scheme))
     ref = _with_adapters(ReferenceBackend(artifact, BLOCKS), made, artifact.entry)
-    jb = _with_adapters(JaxBackend(artifact, BLOCKS), made, artifact.entry)
+    jb = _with_adapters(_accelerated(backend, artifact), made, artifact.entry)
     prompts = [_tokens(seed, n) for seed, n in ((1, 20), (2, 25), (3, 30))]
     tables = [(0, 1), (2, 3), (4, 5)]
     want, got = _run(ref, prompts, tables), _run(jb, prompts, tables)
@@ -70,7 +81,7 @@ def test_jax_with_adapters_matches_the_reference_and_batches(artifacts, made, sc
         assert differ == ties, (scheme, name, differ, ties)
     [base] = ref.eval([EvalItem(prompts[0], 0, (6, 7), len(prompts[0]))])
     assert gates.nmse(base, want[0][:len(prompts[0])]) > 1e-3, "the adapter matters"
-    print(f"{scheme}: worst NMSE vs reference {worst:.3g}")
+    print(f"{backend} {scheme}: worst NMSE vs reference {worst:.3g}")
     assert worst <= gates.calibrated_bound(jb, "reference")
     for i, name in enumerate(ADAPTERS):  # each item alone, on other blocks
         [alone] = jb.eval([EvalItem(prompts[i], 0, (6 + i, 9 + i % 2), len(prompts[i]), name)])
