@@ -51,7 +51,7 @@ def _convert(args) -> None:
     if args.out.exists() and not args.force:
         raise KippError(f"{args.out} exists; pass --force to overwrite it")
     out = convert(args.checkpoint, args.source, args.scheme, args.out,
-                  progress=not args.quiet)
+                  progress=not args.quiet, merge_lora=args.merge_lora)
     print(out)
 
 
@@ -476,6 +476,9 @@ def _add_file_commands(commands) -> None:
     p.add_argument("--out", required=True, type=Path, help="output .gguf file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--merge-lora", type=Path, metavar="ADAPTER",
+                   help="merge this LoRA adapter folder (PEFT or mlx-lm) into the weights; "
+                        "recorded in the artifact's kipp.lora.* metadata")
     p.set_defaults(run=_convert)
 
     p = commands.add_parser("prepare", help="make a checkpoint's artifact (download or "

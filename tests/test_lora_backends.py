@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_lora import TINY, make_adapters  # noqa: E402
 
 from kipp import gates  # noqa: E402
