@@ -104,6 +104,10 @@ class Backend(ABC):
             raise EvalError(f"the {self.name} backend does not apply LoRA adapters")
         if adapter.name in self.adapters:
             raise EvalError(f"an adapter named {adapter.name!r} is loaded already")
+        entry = getattr(self, "entry", None)
+        if entry is not None and adapter.base != entry.id:
+            raise EvalError(f"adapter {adapter.name!r} was trained on {adapter.base}, not on "
+                            f"{entry.id}")
         self.adapters[adapter.name] = adapter
         self._adapters_changed()
 
