@@ -298,7 +298,7 @@ def _serve(args) -> None:
           chat_max_tokens=args.chat_max_tokens, speculative=_speculative(args, model),
           drain_timeout=args.drain_timeout, reasoning_format=args.reasoning_format,
           max_output_tokens=args.max_output_tokens, stops=tuple(args.stop or ()),
-          access=access)
+          access=access, runtime_lora=args.lora_runtime)
 
 
 def _bench(args) -> int:
@@ -529,6 +529,9 @@ def _add_serve_command(commands) -> None:
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _add_model_arguments(p)
     _add_lora_argument(p, several=True)
+    p.add_argument("--lora-runtime", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapter "
+                        "folders on this machine, named by the client)")
     _add_disk_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address: loopback only unless "
                    "you choose otherwise")

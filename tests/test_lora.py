@@ -479,3 +479,39 @@ def test_convert_merge_lora_writes_the_adapted_weights_and_records_them(
                      "--merge-lora", str(made["alpha"][0])]) == 1
     assert "trained on 'kipp-synthetic/qwen3-tiny'" in capsys.readouterr().err
     assert not other.exists()
+
+
+def test_runtime_loading_and_unloading_behind_the_flag(lora_model, made):
+    from kipp.engine.scheduler import Scheduler
+    from kipp.http.app import create_app
+
+    scheduler = Scheduler(lora_model, max_queue=8).start()
+    try:
+        plain = create_app(lora_model, scheduler).test_client()
+        assert plain.post("/v1/load_lora_adapter", json={"lora_name": "late"}).status_code == 404
+        client = create_app(lora_model, scheduler, runtime_lora=True).test_client()
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "late",
+                                                       "lora_path": str(made["beta"][0].parent)})
+        assert r.status_code == 400 and "adapter_config.json is missing" in \
+            r.json["error"]["message"]
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "late",
+                                                       "lora_path": str(made["beta"][0])})
+        assert r.status_code == 200, r.json
+        assert "late" in {c["id"] for c in client.get("/v1/models").json["data"]}
+        prompt = gates.DEFAULT_PROMPTS[0]
+        body = {"model": "late", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "logit_bias": {"151643": -100, "151645": -100}}
+        r = client.post("/v1/completions", json=body)
+        assert r.json["choices"][0]["text"] == lora_model.tokenizer.decode(
+            greedy(lora_model, prompt, "beta"))
+        assert client.post("/v1/load_lora_adapter", json={
+            "lora_name": "late", "lora_path": str(made["beta"][0])}).status_code == 400
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert r.status_code == 200 and "late" not in lora_model.adapters
+        assert client.post("/v1/completions", json=body).status_code == 404
+        assert client.post("/v1/unload_lora_adapter",
+                           json={"lora_name": "late"}).status_code == 404
+    finally:
+        scheduler.stop()
+        if "late" in lora_model.adapters:
+            lora_model.remove_adapter("late")

@@ -94,6 +94,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._ids = iter(range(1, 1 << 62))
         self._thread: threading.Thread | None = None
+        self._calls: deque = deque()  # call_on_engine's functions, run between steps
         self._stopping = False
         self._drain_deadline: float | None = None  # time.monotonic() when draining
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
@@ -195,6 +196,44 @@ class Scheduler:
             self._thread.start()
         return self
 
+    def call_on_engine(self, fn):
+        """fn() on the engine thread between two steps (here when no engine thread runs),
+        for what must not change under a running eval (LoRA adapters loaded at run time).
+        Returns its result or raises its exception."""
+        if self._thread is None:
+            return fn()
+        done, box = threading.Event(), {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+        with self._cv:
+            self._calls.append(call)
+            self._cv.notify()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a queued or running request runs under adapter `name`."""
+        with self._cv:
+            if any(t.request.adapter == name for t in self._fifo):
+                return True
+        return any(run.request.adapter == name for run in list(self._running))
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cv:
+                if not self._calls:
+                    return
+                call = self._calls.popleft()
+            call()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; queued and running requests end with Failed."""
         with self._cv:
@@ -266,10 +305,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._fifo and not self._running:
+                while (not self._stopping and not self._fifo and not self._running
+                       and not self._calls):
                     self._cv.wait()
-                if self._stopping:
-                    return
+                stopping = self._stopping
+            self._run_calls()  # also when stopping: a caller waits on each
+            if stopping:
+                return
             try:
                 self.step()
             except Exception:  # a bug in the loop itself: fail what is running, keep serving

@@ -72,7 +72,6 @@ class Server:
         clash = sorted(set(self.adapters) & set(served))
         if clash:
             raise ValueError(f"adapter name {clash[0]!r} is also a served model name")
-        self.served = served + self.adapters
         self.tokenizer = model.tokenizer
         self.token_text = TokenText(model.tokenizer)
         self.metrics = Metrics(scheduler)
@@ -85,6 +84,11 @@ class Server:
     @property
     def name(self) -> str:
         return self.served[0]
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Every name a body's "model" may give: the base's, then the adapters'."""
+        return self.base_names + self.adapters
 
     def _under_adapter(self, call: Call) -> Call:
         """The call's requests under the adapter the body's "model" names (checked already
@@ -146,11 +150,12 @@ def create_app(model, scheduler, *, model_name: str | None = None,
                served_names: tuple[str, ...] = (),
                chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, reasoning_format: str = "auto",
                max_output_tokens: int | None = None, stops: tuple[str, ...] = (),
-               access: Access | None = None) -> Flask:
+               access: Access | None = None, runtime_lora: bool = False) -> Flask:
     """The app over a started Scheduler of `model`: OpenAI's chat and completions, the
     Responses API, Anthropic's Messages API, tokenize/detokenize, health and metrics.
     `served_names`: the model names requests may give (the first is reported; default the
-    checkpoint id, or `model_name`)."""
+    checkpoint id, or `model_name`). `runtime_lora`: POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter load and unload LoRA adapters from server-side folders."""
     from kipp.http import messages, responses
 
     app = Flask("kipp")
@@ -166,7 +171,57 @@ def create_app(model, scheduler, *, model_name: str | None = None,
     _token_routes(app, server)
     responses.register(app, server)
     messages.register(app, server)
+    if runtime_lora:
+        _lora_routes(app, server)
     return app
+
+
+def _lora_routes(app: Flask, server: Server) -> None:
+    """Loading and unloading LoRA adapters at run time (vLLM's endpoint names and fields):
+    validated in the handler, registered with the backend on the engine thread between steps."""
+    from kipp.http.fields import bad, check_fields
+    from kipp.lora.adapter import AdapterError, load_adapter
+
+    def name_of(body: dict, endpoint: str, fields: set[str]) -> str:
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        check_fields(body, fields, endpoint)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad("'lora_name' must be a non-empty string", "lora_name")
+        return name
+
+    @app.post("/v1/load_lora_adapter")
+    def load_lora():
+        body = json_body()
+        name = name_of(body, "/v1/load_lora_adapter", {"lora_name", "lora_path"})
+        if name in server.served:
+            raise bad(f"'{name}' is served already", "lora_name")
+        if not isinstance(body.get("lora_path"), str):
+            raise bad("'lora_path' must be a string (an adapter folder on the server)",
+                      "lora_path")
+        try:
+            adapter = load_adapter(body["lora_path"], server.model.entry, name)
+        except AdapterError as e:
+            raise bad(str(e), "lora_path") from None
+        server.scheduler.call_on_engine(lambda: server.model.backend.add_adapter(adapter))
+        server.adapters = tuple(server.model.backend.adapters)
+        return {"object": "lora_adapter", "id": name, "loaded": True}
+
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora():
+        name = name_of(json_body(), "/v1/unload_lora_adapter", {"lora_name"})
+        if name not in server.adapters:
+            raise APIError(404, f"no adapter '{name}' is loaded", "lora_name", "model_not_found")
+
+        def unload():
+            if server.scheduler.uses_adapter(name):
+                raise APIError(409, f"adapter '{name}' has requests queued or running",
+                               "lora_name", "adapter_in_use")
+            server.model.backend.remove_adapter(name)
+        server.scheduler.call_on_engine(unload)
+        server.adapters = tuple(server.model.backend.adapters)
+        return {"object": "lora_adapter", "id": name, "loaded": False}
 
 
 def error_response(e: APIError, path: str | None = None) -> Response:
