@@ -51,6 +51,7 @@ class EvalItem:
     start_position: int  # == the sequence's logical length before this call
     block_table: tuple[int, ...]  # physical blocks covering [0, start_position + len(tokens))
     logits_rows: int = 1  # logits for the last N tokens: 1 for sampling, more for speculation
+    adapter: str | None = None  # a LoRA adapter registered with the backend (add_adapter)
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -86,11 +87,38 @@ class Backend(ABC):
     # reduced, so the scheduler gives each seeded sampled sequence an eval call of its own.
     batch_invariant: bool = False
 
+    # True when the backend applies LoRA adapters (kipp.lora) to the items that name one
+    supports_adapters: bool = False
+
     def __init__(self, num_blocks: int, context_length: int):
         if num_blocks < 1:
             raise EvalError(f"a backend needs at least one KV block, got {num_blocks}")
         self._num_blocks = num_blocks
         self._context_length = context_length
+        self.adapters: dict = {}  # name -> kipp.lora.adapter.LoraAdapter
+
+    def add_adapter(self, adapter) -> None:
+        """Register a validated LoRA adapter (kipp.lora.adapter) under its name: items naming
+        it get W x + s * B (A x) in every projection it targets."""
+        if not self.supports_adapters:
+            raise EvalError(f"the {self.name} backend does not apply LoRA adapters")
+        if adapter.name in self.adapters:
+            raise EvalError(f"an adapter named {adapter.name!r} is loaded already")
+        entry = getattr(self, "entry", None)
+        if entry is not None and adapter.base != entry.id:
+            raise EvalError(f"adapter {adapter.name!r} was trained on {adapter.base}, not on "
+                            f"{entry.id}")
+        self.adapters[adapter.name] = adapter
+        self._adapters_changed()
+
+    def remove_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise EvalError(f"no adapter named {name!r} is loaded")
+        del self.adapters[name]
+        self._adapters_changed()
+
+    def _adapters_changed(self) -> None:
+        """A hook for backends that prepare adapters' weights in their own layout."""
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +139,9 @@ class Backend(ABC):
         if not items:
             raise EvalError("eval needs at least one item")
         for item in items:
+            if item.adapter is not None and item.adapter not in self.adapters:
+                raise EvalError(f"adapter {item.adapter!r} is not loaded (loaded: "
+                                f"{', '.join(sorted(self.adapters)) or 'none'})")
             bad = [t for t in item.tokens if not 0 <= t < VOCAB_SIZE]
             if bad:
                 raise EvalError(f"token id {bad[0]} is outside the vocabulary 0..{VOCAB_SIZE - 1}")

@@ -51,7 +51,7 @@ def _convert(args) -> None:
     if args.out.exists() and not args.force:
         raise KippError(f"{args.out} exists; pass --force to overwrite it")
     out = convert(args.checkpoint, args.source, args.scheme, args.out,
-                  progress=not args.quiet)
+                  progress=not args.quiet, merge_lora=args.merge_lora)
     print(out)
 
 
@@ -93,10 +93,41 @@ def _load(args):
                  kv_scheme=getattr(args, "kv_scheme", "bf16"),
                  weight_memory=getattr(args, "weight_memory", "auto"),
                  draft=getattr(args, "draft_model", None),
-                 draft_tokens=getattr(args, "draft_tokens", None))
+                 draft_tokens=getattr(args, "draft_tokens", None),
+                 adapters=_lora_adapters(getattr(args, "lora", None)))
     if hasattr(args, "kv_disk_mib"):
         _attach_disk(model, args)
     return model
+
+
+def _lora_adapters(specs) -> dict | None:
+    """--lora NAME=PATH (repeatable) as load(adapters=...)'s dict; a clear error otherwise."""
+    if not specs:
+        return None
+    adapters = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise KippError(f"--lora {spec!r}: give NAME=PATH (an adapter folder)")
+        if name in adapters:
+            raise KippError(f"--lora {spec!r}: the name {name!r} is given twice")
+        adapters[name] = path
+    return adapters
+
+
+def _one_adapter(args) -> str | None:
+    """The adapter `run` and `chat` generate under: the one --lora's name."""
+    adapters = _lora_adapters(args.lora) or {}
+    if len(adapters) > 1:
+        raise KippError("run and chat take one --lora (serve takes several)")
+    return next(iter(adapters), None)
+
+
+def _add_lora_argument(p, several: bool) -> None:
+    p.add_argument("--lora", action="append", metavar="NAME=PATH",
+                   help="a LoRA adapter folder (PEFT or mlx-lm) trained on this checkpoint"
+                        + ("; repeat for several: a request's \"model\" names one"
+                           if several else ": generate under it"))
 
 
 def _add_draft_arguments(p) -> None:
@@ -192,7 +223,8 @@ def _run(args) -> None:
     _check_sampling(args)
     model = _load(args)
     generation = model.generate(args.prompt, args.max_tokens, stream=True,
-                                speculative=bool(_speculative(args, model)), **_sampling(args))
+                                speculative=bool(_speculative(args, model)),
+                                adapter=_one_adapter(args), **_sampling(args))
     _stream(generation)
 
 
@@ -220,7 +252,7 @@ def _chat(args) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kipp chat: an empty line or Ctrl-D ends the conversation; Ctrl-C stops a reply",
           file=sys.stderr)
-    with model.session() as session:
+    with model.session(adapter=_one_adapter(args)) as session:
         while (line := _read_turn()) is not None:
             messages.append({"role": "user", "content": line})
             generation = model.chat(messages, args.max_tokens, stream=True, session=session,
@@ -266,7 +298,7 @@ def _serve(args) -> None:
           chat_max_tokens=args.chat_max_tokens, speculative=_speculative(args, model),
           drain_timeout=args.drain_timeout, reasoning_format=args.reasoning_format,
           max_output_tokens=args.max_output_tokens, stops=tuple(args.stop or ()),
-          access=access)
+          access=access, runtime_lora=args.lora_runtime)
 
 
 def _bench(args) -> int:
@@ -444,6 +476,9 @@ def _add_file_commands(commands) -> None:
     p.add_argument("--out", required=True, type=Path, help="output .gguf file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--merge-lora", type=Path, metavar="ADAPTER",
+                   help="merge this LoRA adapter folder (PEFT or mlx-lm) into the weights; "
+                        "recorded in the artifact's kipp.lora.* metadata")
     p.set_defaults(run=_convert)
 
     p = commands.add_parser("prepare", help="make a checkpoint's artifact (download or "
@@ -458,6 +493,7 @@ def _add_generation_commands(commands) -> None:
     p = commands.add_parser("run", help="generate text from a prompt, streaming")
     _add_model_arguments(p)
     p.add_argument("--prompt", required=True, help="the text to continue")
+    _add_lora_argument(p, several=False)
     _add_disk_arguments(p)
     _add_sampling_arguments(p, _api_default(Model.generate, "max_tokens"))
     p.set_defaults(run=_run)
@@ -466,6 +502,7 @@ def _add_generation_commands(commands) -> None:
     _add_model_arguments(p)
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="enable_thinking=False")
+    _add_lora_argument(p, several=False)
     _add_disk_arguments(p)
     _add_sampling_arguments(p, _api_default(Model.chat, "max_tokens"))
     p.set_defaults(run=_chat)
@@ -491,6 +528,10 @@ def _add_serve_command(commands) -> None:
 
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _add_model_arguments(p)
+    _add_lora_argument(p, several=True)
+    p.add_argument("--lora-runtime", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapter "
+                        "folders on this machine, named by the client)")
     _add_disk_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address: loopback only unless "
                    "you choose otherwise")

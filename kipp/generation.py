@@ -71,12 +71,19 @@ class GenerationStats:
 
 def request_for(model, prompt: list[int], max_tokens: int, stop, params: SamplingParams,
                 speculative: bool | SpecConfig = False, session: Session | None = None,
-                grammar=None, logprobs: int | None = None, reasoning=None) -> Request:
+                grammar=None, logprobs: int | None = None, reasoning=None,
+                adapter: str | None = None) -> Request:
     """generate()'s arguments as a scheduler Request, or a GenerationError naming the bad one."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise GenerationError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if session is not None:
         check_session(model, session)  # the room it leaves: the scheduler's check_request
+    if adapter is not None and adapter not in model.backend.adapters:
+        raise GenerationError(f"adapter {adapter!r} is not loaded (loaded: "
+                              f"{', '.join(sorted(model.backend.adapters)) or 'none'})")
+    if session is not None and adapter != session.adapter:
+        raise GenerationError(f"the session runs under adapter {session.adapter!r}, not "
+                              f"{adapter!r}")
     if not isinstance(speculative, (bool, SpecConfig)):
         raise GenerationError(f"speculative must be True, False or a kipp.engine.spec.SpecConfig, "
                               f"got {speculative!r}")
@@ -101,7 +108,8 @@ def request_for(model, prompt: list[int], max_tokens: int, stop, params: Samplin
             raise GenerationError(str(e)) from None
     stops = [stop] if isinstance(stop, str) else list(stop or [])  # checked by StopPatterns
     return Request(tuple(prompt), max_tokens, sampling=params, stop=tuple(stops),
-                   logprobs=logprobs, grammar=grammar, spec=spec, reasoning=reasoning)
+                   logprobs=logprobs, grammar=grammar, spec=spec, reasoning=reasoning,
+                   adapter=adapter)
 
 
 def check_session(model, session: Session) -> None:

@@ -53,7 +53,7 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_scheme: str = "bf16", kv_mib: float | None = None,
          weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
          draft_tokens: int | None = None, kv_cache_dir: str | Path | None = None,
-         kv_disk_mib: float | None = None) -> "Model":
+         kv_disk_mib: float | None = None, adapters: dict | None = None) -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -68,9 +68,12 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     adaptive gate's longest, 15).
     `kv_cache_dir` keeps published KV blocks on disk there too (kipp.engine.kv_disk), up to
     `kv_disk_mib` MiB (default: a quarter of the free disk); a later process reuses them.
+    `adapters` {"name": folder} loads LoRA adapters (PEFT or mlx-lm, kipp.lora.adapter) trained
+    on this checkpoint; `generate(..., adapter="name")` and `session(adapter="name")` use one.
     Every argument is checked before any download, conversion or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
     _check_disk_arguments(kv_cache_dir, kv_disk_mib)
+    _check_adapter_arguments(adapters)
     check_weight_memory(weight_memory)
     sizes = _draft_sizes(draft, draft_tokens)
     choice = choose_backend(backend)
@@ -83,6 +86,7 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     # the tokenizer first: building its tables takes ~40 MiB of scratch at Qwen3's vocabulary,
     # freed again before the weights are resident
     tokenizer = Tokenizer(artifact.tokenizer_data())
+    loaded = _load_adapters(adapters or {}, artifact.entry)  # validated before the weights
     backend = open_backend(choice.name, artifact, _num_blocks(artifact, choice.name, kv_tokens),
                            **options)
     if choice.name == "jax":
@@ -90,6 +94,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if progress:
         print(f"kipp: backend {backend.describe()} ({choice.reason})", file=sys.stderr)
     model = Model(artifact, backend, tokenizer)
+    for adapter in loaded:
+        model.backend.add_adapter(adapter)
     if draft is not None:
         if not isinstance(draft, Model):
             draft = load(draft, choice.name, scheme, kv_tokens, progress, kv_scheme, kv_mib,
@@ -110,6 +116,20 @@ def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:
             or not 1 <= draft_tokens <= 64):
         raise KippError(f"draft_tokens must be an integer in 1..64, got {draft_tokens!r}")
     return tuple(k for k in (3, 7, 15) if k < draft_tokens) + (int(draft_tokens),)
+
+
+def _check_adapter_arguments(adapters) -> None:
+    if adapters is None:
+        return
+    if not isinstance(adapters, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, (str, Path)) for k, v in adapters.items()):
+        raise KippError(f"adapters must be a dict of name -> adapter folder, got {adapters!r}")
+
+
+def _load_adapters(adapters: dict, entry) -> list:
+    from kipp.lora.adapter import load_adapter
+
+    return [load_adapter(path, entry, name) for name, path in adapters.items()]
 
 
 def _check_disk_arguments(folder, mib) -> None:
@@ -273,10 +293,41 @@ class Model:
     def _repr_html_(self) -> str:
         return html_view(f"kipp.Model {self.entry.id}", self._display_rows())
 
-    def session(self, capacity: int | None = None, reservation=None) -> Session:
+    def session(self, capacity: int | None = None, reservation=None,
+                adapter: str | None = None) -> Session:
         """A new empty session of `capacity` tokens (default: the context length). With a
-        `reservation` (BlockPool.reserve) its blocks come out of the blocks promised to it."""
-        return Session(self, capacity, reservation)
+        `reservation` (BlockPool.reserve) its blocks come out of the blocks promised to it.
+        `adapter`: a loaded LoRA adapter's name; every eval of the session runs under it."""
+        return Session(self, capacity, reservation, adapter)
+
+    @property
+    def adapters(self) -> dict:
+        """The loaded LoRA adapters, name -> kipp.lora.adapter.LoraAdapter."""
+        return dict(self.backend.adapters)
+
+    def add_adapter(self, name: str, path: str | Path):
+        """Load the LoRA adapter in folder `path` (PEFT or mlx-lm) under `name`; AdapterError
+        if it is malformed or was trained on another checkpoint. Returns the LoraAdapter."""
+        from kipp.lora.adapter import load_adapter
+
+        adapter = load_adapter(path, self.entry, name)
+        self.backend.add_adapter(adapter)
+        return adapter
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter `name`. Its published KV blocks stay keyed by its digest: a later
+        adapter of the same name but other weights never adopts them."""
+        self.backend.remove_adapter(name)
+
+    def adapter_salt(self, adapter: str | None) -> bytes:
+        """The prefix-cache salt of `adapter` (b"" for the base weights): its digest."""
+        if adapter is None:
+            return b""
+        loaded = self.backend.adapters.get(adapter) if isinstance(adapter, str) else None
+        if loaded is None:
+            raise SessionError(f"adapter {adapter!r} is not loaded (loaded: "
+                               f"{', '.join(sorted(self.backend.adapters)) or 'none'})")
+        return loaded.digest
 
     def check_tokens(self, tokens: Sequence[int]) -> list[int]:
         """Token ids as a list of ints, or a clear error naming the first bad one."""
@@ -338,7 +389,8 @@ class Model:
                  stream: bool = False, stop: Sequence[str] | str | None = None,
                  speculative: bool | SpecConfig = False, session: Session | None = None,
                  json_schema=None, regex: str | None = None, grammar=None,
-                 logprobs: int | None = None, **sampling) -> "str | Generation":
+                 logprobs: int | None = None, adapter: str | None = None,
+                 **sampling) -> "str | Generation":
         """Continue `prompt` (text or token ids). Returns the text, or with stream=True a
         Generation: an iterator of text pieces (sync `for` or `async for`) whose `.stats` fill
         in as it runs. Sampling keywords are those of SamplingParams (temperature, top_p,
@@ -346,7 +398,8 @@ class Model:
         in fewer evals (kipp.engine.spec): prompt lookup, greedy only, or with a draft model
         (load(..., draft=...)) greedy or sampled, distributed exactly as without; a SpecConfig
         picks the drafter and gate. `.stats.spec` counts its drafts. `logprobs=k`
-        records each token's logprob and the top k in `.stats.logprobs`.
+        records each token's logprob and the top k in `.stats.logprobs`. `adapter` names a
+        loaded LoRA adapter to generate under (a `session`'s own adapter when it has one).
         `session` continues an open Session (a conversation): it keeps the longest prefix its
         tokens share with the prompt (cut back where they differ), evaluates only the rest,
         and stays open holding the prompt and the generated tokens for the next call.
@@ -357,16 +410,19 @@ class Model:
         Generation ends ("stop") as soon as the grammar is complete."""
         generation = self._generation(prompt, max_tokens, stop=stop, speculative=speculative,
                                       session=session, json_schema=json_schema, regex=regex,
-                                      grammar=grammar, logprobs=logprobs, **sampling)
+                                      grammar=grammar, logprobs=logprobs, adapter=adapter,
+                                      **sampling)
         return generation if stream else "".join(generation)
 
     def _generation(self, prompt, max_tokens: int, *, stop=None, speculative=False,
                     session=None, json_schema=None, regex=None, grammar=None, logprobs=None,
-                    reasoning=None, **sampling) -> Generation:
+                    reasoning=None, adapter=None, **sampling) -> Generation:
+        if adapter is None and session is not None:
+            adapter = getattr(session, "adapter", None)
         request = request_for(self, self.prompt_ids(prompt), max_tokens, stop,
                               SamplingParams(**sampling), speculative=speculative,
                               session=session, grammar=constraint(json_schema, regex, grammar),
-                              logprobs=logprobs, reasoning=reasoning)
+                              logprobs=logprobs, reasoning=reasoning, adapter=adapter)
         return Generation(self, request, session)
 
     def chat(self, messages, max_tokens: int = 256, *, enable_thinking: bool = True,

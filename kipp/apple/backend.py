@@ -53,6 +53,7 @@ class MLXBackend(Backend):
     """Qwen3 on MLX (see module docstring). Not thread-safe: one caller at a time."""
 
     name = "mlx"
+    supports_adapters = True  # LoRA: kipp.apple.linear.low_rank beside every projection
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS,
@@ -68,6 +69,7 @@ class MLXBackend(Backend):
         self.device = "gpu" if gpu else "cpu"
         self.max_round_tokens = max_round_tokens
         self.kv_scheme = kv_scheme
+        self._adapter_slots: dict[str, int] = {}
         fallback = probe.fallback_enabled(fallback)
         # The kernels read the stored format, and so do the twins that replace them (a GPU)
         self.memory = memory.choose_weight_memory(
@@ -151,6 +153,32 @@ class MLXBackend(Backend):
                     outputs[item][index] = host[row]
         return outputs
 
+    def _adapters_changed(self) -> None:
+        """The loaded adapters stacked per layer (kipp.lora.apply.stack_adapters) as MLX
+        arrays in Weights.lora, float32."""
+        from kipp.lora.apply import stack_adapters
+
+        self._adapter_slots, stacked = stack_adapters(self.adapters, self.entry)
+        if not stacked:
+            self.weights.lora = None
+            return
+        self.weights.lora = [{proj: (mx.array(a[layer]), mx.array(b[layer]))
+                              for proj, (a, b) in stacked.items()}
+                             for layer in range(self.entry.layers)]
+        mx.eval([x for layer in self.weights.lora for pair in layer.values() for x in pair])
+
+    def _adapter_rows(self, items, pieces) -> "mx.array | None":
+        """[T, slots] one-hot LoRA slot of each of the round's token rows (None: no adapter
+        is loaded, or no piece of this round runs under one)."""
+        if not self._adapter_slots or all(items[p.item].adapter is None for p in pieces):
+            return None
+        rows = []
+        for p in pieces:
+            slot = self._adapter_slots.get(items[p.item].adapter, -1)
+            rows += [slot] * (p.stop - p.start)
+        hot = np.asarray(rows)[:, None] == np.arange(len(self._adapter_slots))[None, :]
+        return mx.array(hot.astype(np.float32))
+
     def _pack(self, items: Sequence[EvalItem], pieces: Sequence[Piece]):
         """The one place items become MLX arrays: (Round, [(item, output row)] per logits row)."""
         tokens, positions, slots, spans, rows, dests = [], [], [], [], [], []
@@ -177,7 +205,8 @@ class MLXBackend(Backend):
             slots=forward.as_int32(np.concatenate(slots)),
             pieces=[(start, n, forward.as_int32(v)) for start, n, v in spans],
             logit_rows=forward.as_int32(rows if rows else [0]),
-            decode_only=all(n == 1 for _, n, _ in spans))
+            decode_only=all(n == 1 for _, n, _ in spans),
+            adapter_rows=self._adapter_rows(items, pieces))
         if r.decode_only and self.choice.kernels:
             blocks = [blocks_needed(len(v)) for _, _, v in spans]
             tables = np.zeros((len(pieces), max(blocks)), np.int32)  # 0-padded: never read

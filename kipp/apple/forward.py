@@ -69,6 +69,16 @@ class Ops:
             return self.linear(gate / (1.0 + mx.exp(-gate)) * self.linear(h, p["up"]), p["down"])
         return linear.ffn_twin(h, p["ffn"], self.streams)
 
+    def ffn_lora(self, h: mx.array, p: dict, lora: dict, rows: mx.array) -> mx.array:
+        """ffn with the LoRA terms of gate, up and down (kipp.apple.linear.low_rank)."""
+        if not self.kernels:
+            return linear.ffn_twin_lora(h, p["ffn"], lora, rows, self.streams)
+        gate = linear.plus(self.linear(h, p["gate"]), linear.low_rank(h, lora.get("gate"), rows))
+        up = linear.plus(self.linear(h, p["up"]), linear.low_rank(h, lora.get("up"), rows))
+        act = gate / (1.0 + mx.exp(-gate)) * up
+        return linear.plus(self.linear(act, p["down"]), linear.low_rank(act, lora.get("down"),
+                                                                        rows))
+
     def attention(self, q, k: KVSlab, v: KVSlab, layer: int, r: "Round") -> mx.array:
         """q [T, H, 128] of the round -> [T, H * 128]."""
         if self.kernels and r.decode_only and f"decode_attention/{k.scheme}" not in self.twins:
@@ -111,6 +121,7 @@ class Round:
     decode_only: bool  # every piece is one token (the decode kernel's case)
     tables: mx.array | None = None  # [S, B] int32, decode rounds only
     lengths: mx.array | None = None  # [S] int32, decode rounds only
+    adapter_rows: mx.array | None = None  # [T, slots] one-hot LoRA slot of each token row
 
 
 @dataclass
@@ -118,6 +129,8 @@ class Weights:
     layers: list  # per layer: norms, and Linear / SplitFFN weights (backend._prepare's keys)
     output_norm: mx.array
     head: Linear
+    # per layer {projection: (A [S, r, in], B [S, out, r])} of the loaded LoRA adapters
+    lora: list | None = None
 
 
 def rms_norm(x: mx.array, weight: mx.array) -> mx.array:
@@ -135,15 +148,23 @@ def step(w: Weights, k: KVSlab, v: KVSlab, r: Round, ops: Ops) -> mx.array:
     """The round's logits [R, vocab] float32 (lazy); stores the round's K/V in the slabs."""
     x = r.x
     for index, layer in enumerate(w.layers):
-        x = _layer(index, layer, x, k, v, r, ops)
+        lora = w.lora[index] if w.lora is not None and r.adapter_rows is not None else None
+        x = _layer(index, layer, x, k, v, r, ops, lora)
     h = rms_norm(x[r.logit_rows], w.output_norm)
     return ops.linear(h, w.head)
 
 
-def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops):
+def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops, lora=None):
+    """One layer; `lora`: this layer's adapters (Weights.lora), their rows in r.adapter_rows."""
     t = x.shape[0]
+
+    def adapted(y, x, name):  # W x + s * B (A x) for the rows of each adapter
+        return y if lora is None else linear.plus(y, linear.low_rank(x, lora.get(name),
+                                                                     r.adapter_rows))
+
     h = rms_norm(x, p["attn_norm"])                                             # (1)
     q, kk, vv = ops.qkv(h, p)                                                   # (2)
+    q, kk, vv = adapted(q, h, "q"), adapted(kk, h, "k"), adapted(vv, h, "v")
     q = q.reshape(t, -1, HEAD_DIM)                                              # [T, H, 128]
     kk, vv = kk.reshape(t, KV_HEADS, HEAD_DIM), vv.reshape(t, KV_HEADS, HEAD_DIM)  # [T, 8, 128]
     q = apply_rope(rms_norm(q, p["q_norm"]), r.cos, r.sin)                      # (3), (4)
@@ -151,9 +172,11 @@ def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops):
     k.store(index, kk, r.slots)                                                 # (5)
     v.store(index, vv, r.slots)
     attn = ops.attention(q, k, v, index, r)                                     # [T, H * 128]
-    x = x + ops.linear(attn, p["o"])                                            # (6)
+    x = x + adapted(ops.linear(attn, p["o"]), attn, "o")                        # (6)
     h = rms_norm(x, p["ffn_norm"])                                              # (7)
-    return x + ops.ffn(h, p)                                                    # (8), (9)
+    if lora is not None and any(name in lora for name in ("gate", "up", "down")):
+        return x + ops.ffn_lora(h, p, lora, r.adapter_rows)                     # (8), (9)
+    return x + ops.ffn(h, p)
 
 
 def as_int32(values) -> mx.array:

@@ -359,3 +359,42 @@ def matmul(x: mx.array, w: Linear, runner=None) -> mx.array:
 def linear_kernel(x: mx.array, w: Linear, runner=None) -> mx.array:
     """The kernel path's dispatcher: matvec for decode-sized rounds, matmul otherwise."""
     return matvec(x, w, runner) if x.shape[0] <= MATVEC_ROWS else matmul(x, w, runner)
+
+
+def low_rank(x: mx.array, pair, rows: mx.array):
+    """s * B (A x) of each row's LoRA adapter: x [T, in] float32, pair (A [S, r, in], B [S, out,
+    r], s folded into B), rows [T, S] one-hot (all zero: the base weights). Every slot's A x is
+    computed and masked (S is small); None when no adapter targets this projection."""
+    if pair is None:
+        return None
+    a, b = pair
+    xa = mx.einsum("ti,sri->tsr", x, a) * rows[:, :, None]  # [T, S, r]
+    return mx.einsum("tsr,sor->to", xa, b)
+
+
+def plus(y: mx.array, delta) -> mx.array:
+    return y if delta is None else y + delta
+
+
+def ffn_twin_lora(h: mx.array, ffn: SplitFFN, lora: dict, rows: mx.array,
+                  streams=(None,)) -> mx.array:
+    """ffn_twin with LoRA on gate, up and down: the shards' gate and up outputs are joined
+    (intermediate order), adapted and activated whole; each shard's down takes its columns, and
+    down's low-rank term reads the whole activation."""
+    gates, ups = [], []
+    for i, gate_up in enumerate(ffn.gate_up):
+        y = _shard_matmul(h, gate_up.shards[0], gate_up.fmt, streams[i % len(streams)])
+        gate, up = mx.split(y, 2, axis=-1)
+        gates.append(gate)
+        ups.append(up)
+    gate = plus(mx.concatenate(gates, axis=-1), low_rank(h, lora.get("gate"), rows))
+    up = plus(mx.concatenate(ups, axis=-1), low_rank(h, lora.get("up"), rows))
+    act = gate / (1.0 + mx.exp(-gate)) * up
+    out, lo = None, 0
+    for i, down in enumerate(ffn.down):
+        width = gates[i].shape[-1]
+        part = _shard_matmul(act[:, lo:lo + width], down.shards[0], down.fmt,
+                             streams[i % len(streams)])
+        out = part if out is None else out + part
+        lo += width
+    return plus(out, low_rank(act, lora.get("down"), rows))

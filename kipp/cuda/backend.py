@@ -56,6 +56,7 @@ class JaxBackend(Backend):
     """Qwen3 on JAX (see module docstring). Not thread-safe: one caller at a time."""
 
     name = "jax"
+    supports_adapters = True  # LoRA: forward.low_rank beside every targeted projection
     progress = False  # kipp.load(progress=True) sets it: a progress line per first-call compile
 
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
@@ -123,6 +124,7 @@ class JaxBackend(Backend):
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
                 layout.to_device(value, self.device)), self.plan.bits, self.stacked)
             kv_sharding = replicated = self.device
+        self._adapter_slots: dict[str, int] = {}
         self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
                                             self.plan.platform, self.stacked, kv_sharding)
         self.kv = self._kv_zeros()
@@ -225,7 +227,8 @@ class JaxBackend(Backend):
         self.check(items)
         outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
         for pieces in rounds.plan_rounds(items, self.max_round_tokens):
-            bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks)
+            bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks,
+                                                      self._adapter_slots)
             logits, self.kv = self._run(self._program(bucket, arrays), arrays)
             if dests:
                 host = np.asarray(logits)  # [R, vocab]; rows past len(dests) are padding
@@ -312,6 +315,18 @@ class JaxBackend(Backend):
         self.compile_log.append((bucket, seconds))
         log.info("compiled step %s in %.2f s (%s)", bucket, seconds, self.choice.label)
         return program
+
+    def _adapters_changed(self) -> None:
+        """The loaded adapters, stacked (kipp.lora.apply.stack_adapters) into params["lora"]
+        beside the base weights, replicated; the step's programs are keyed by the new shapes."""
+        from kipp.lora.apply import stack_adapters
+
+        self._adapter_slots, stacked = stack_adapters(self.adapters, self.entry)
+        self.params.pop("lora", None)
+        if stacked:
+            self.params["lora"] = jax.device_put(stacked, self._replicated)
+        self._programs.clear()
+        self._signature = (self._signature[0], _signature(self.params)) + self._signature[2:]
 
     def _ops(self) -> forward.Ops:
         # no probed kernel left running: nothing runs a kernel, probed or not

@@ -109,6 +109,16 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
     """One round: (logits [R, vocab] float32, the updated KV slab)."""
     x = _embed(params["embed"], r.tokens)  # [T, hidden]
     cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
+    lora = params.get("lora")  # LoRA adapters: {projection: (A, B)} stacked [layers, slots, ...]
+    if lora is not None:
+        slots = jnp.arange(next(iter(lora.values()))[0].shape[1])
+        lora = dict(lora, rows=(r.adapter_slots[:, None] == slots).astype(jnp.float32))
+
+    def lora_at(i):  # layer i's adapters and the rows' one-hot slots [T, S]
+        if lora is None:
+            return None
+        return {name: (w if name == "rows" else (w[0][i], w[1][i])) for name, w in lora.items()}
+
     if isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
         layers = params["layers"]
 
@@ -117,15 +127,17 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
             # Kipp's CPU matmuls index a stacked weight themselves; the rest is sliced
             p = {name: w if ops.reads_stacked(w) else jax.tree.map(lambda a: a[i], w)
                  for name, w in layers.items()}
-            return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i), None
+            return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i,
+                          lora=lora_at(i)), None
 
         count = jax.tree.leaves(layers)[0].shape[0]
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, *kv), jnp.arange(count))
         new_kv = (k_cache, v_cache)
     else:
         new_kv = []
-        for layer, (k_cache, v_cache) in zip(params["layers"], kv):
-            x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(params["layers"], kv)):
+            x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops,
+                                         lora=lora_at(i))
             new_kv.append((k_cache, v_cache))
         new_kv = tuple(new_kv)
     h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
@@ -147,13 +159,17 @@ def _head(params) -> Linear:
     return Linear(head, fmt=fmt)
 
 
-def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=None):
+def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=None,
+           lora=None):
     """One layer; `layer`: its index into stacked slabs (the scanned step), else the slabs are
-    this layer's own."""
+    this layer's own. `lora`: this layer's adapters (step's lora_at), or None."""
     t = x.shape[0]
 
     def linear(x, name):
-        return ops.linear(x, p[name], layer=layer)
+        y = ops.linear(x, p[name], layer=layer)
+        if lora is not None and name in lora:  # W x + s * B (A x), the slot's adapter per row
+            y = y + low_rank(x, *lora[name], lora["rows"])
+        return y
 
     h = rms_norm(x, p["attn_norm"])                                        # (1)
     q = linear(h, "q").reshape(t, -1, HEAD_DIM)                             # (2) [T, H, 128]
@@ -170,6 +186,15 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=Non
     h = rms_norm(x, p["ffn_norm"])                                          # (7)
     ffn = _silu(linear(h, "gate")) * linear(h, "up")                        # (8)
     return x + linear(ffn, "down"), k_cache, v_cache                        # (9)
+
+
+def low_rank(x, a, b, rows) -> jax.Array:
+    """s * B (A x) of each row's adapter: x [T, in], a [S, r, in], b [S, out, r] (s folded
+    in), rows [T, S] one-hot (all zero: the base weights). Every slot's A x is computed and
+    masked (S is small), float32 at full precision, never TF32 or BF16 passes."""
+    highest = jax.lax.Precision.HIGHEST
+    xa = jnp.einsum("ti,sri->tsr", x, a, precision=highest) * rows[:, :, None]  # [T, S, r]
+    return jnp.einsum("tsr,sor->to", xa, b, precision=highest)
 
 
 def _silu(x: jax.Array) -> jax.Array:

@@ -46,6 +46,7 @@ class RoundArrays(NamedTuple):
     token_query: np.ndarray  # [T] flat (sequence * Tq + query) slot of each token row
     block_tables: np.ndarray  # [S, B] physical blocks (0 past a table's end: never visible)
     logit_rows: np.ndarray  # [R] token rows whose logits the step returns
+    adapter_slots: np.ndarray  # [T] LoRA adapter slot of each token row; -1: the base weights
 
 
 def bucket_size(n: int) -> int:
@@ -54,8 +55,10 @@ def bucket_size(n: int) -> int:
 
 
 def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: int,
+               adapter_slots: dict | None = None,
                ) -> tuple[Bucket, RoundArrays, list[tuple[int, int]]]:
-    """The bucket, padded arrays and logits destinations [(item, row in its output)]."""
+    """The bucket, padded arrays and logits destinations [(item, row in its output)].
+    `adapter_slots`: LoRA adapter name -> its slot in the step's stacked adapter weights."""
     n_tokens = sum(p.stop - p.start for p in pieces)
     dests, rows = [], []
     for p in pieces:
@@ -82,6 +85,8 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
         a.query_pos[s, :n] = positions
         a.token_query[row:row + n] = s * bucket.queries + np.arange(n)
         a.block_tables[s, :len(table)] = table
+        if item.adapter is not None:
+            a.adapter_slots[row:row + n] = adapter_slots[item.adapter]
         first_row = len(item.tokens) - item.logits_rows
         for t in range(max(p.start, first_row), p.stop):
             rows.append(row + t - p.start)
@@ -106,4 +111,5 @@ def _empty_arrays(b: Bucket, num_blocks: int) -> RoundArrays:
         token_query=np.zeros(b.tokens, i32),
         block_tables=np.zeros((b.seqs, b.blocks), i32),
         logit_rows=np.zeros(b.rows, i32),
+        adapter_slots=np.full(b.tokens, -1, i32),
     )

@@ -11,6 +11,8 @@ too, so a matched prefix is verified token by token. A sequence that ends mid-bl
 that partial last block as a tail: a later prompt continuing the same parent takes it over
 privately (`match_tail`) for the tokens they agree on, so a repeated prompt evaluates only its
 last token. Shared blocks are full and immutable; the block being appended to is private.
+A `salt` (a LoRA adapter's digest) starts the chain: blocks computed under one adapter are
+published and matched under its salt only, never adopted by a sequence under another or none.
 
     table = pool.match_prefix(prompt, max_blocks=(len(prompt) - 1) // KV_BLOCK)
     res = pool.reserve(worst_case_blocks - len(table))   # admission; PoolExhausted = wait
@@ -61,7 +63,7 @@ class _Published:
 
 @dataclass(frozen=True)
 class _Tail:
-    parent: int | None  # serial of the full block before it; None when it holds position 0
+    parent: int | bytes | None  # serial of the full block before it; at position 0 the salt
     tokens: tuple[int, ...]  # 1..31 tokens whose KV the block holds from its first position
 
 
@@ -176,7 +178,7 @@ class BlockPool:
             reservation._credit(freed)
 
     def publish(self, tokens: Sequence[int], block_table: Sequence[int],
-                tail: bool = False) -> int:
+                tail: bool = False, salt: bytes = b"") -> int:
         """Register the sequence's full blocks as cache; returns how many were newly published.
 
         `tokens` are those whose KV is in the blocks; only the first len(tokens) // 32 blocks
@@ -184,12 +186,14 @@ class BlockPool:
         is kept and the sequence's duplicate stays private (freed on its release). With
         `tail`, the partial block after them is published too (only by a sequence that is
         ending: the block must not change afterwards), when the whole chain before it is.
-        Call before releasing the blocks: each must still be in use.
+        Call before releasing the blocks: each must still be in use. `salt`: see the module
+        docstring (salted blocks are not handed to on_publish / on_tail: the disk tier's keys
+        are unsalted).
         """
         full = len(tokens) // KV_BLOCK
         if len(block_table) < full:
             raise ValueError(f"block table has {len(block_table)} blocks, tokens fill {full}")
-        digest, parent, new, fresh, tail_entry = None, None, 0, [], None
+        digest, parent, new, fresh, tail_entry = salt or None, _root(salt), 0, [], None
         for i in range(full):
             b = block_table[i]
             if self._ref[b] <= 0:
@@ -216,6 +220,8 @@ class BlockPool:
                 if self._publish_tail(tokens[full * KV_BLOCK:], block_table[full], parent):
                     tail_entry = (block_table[full], digest, tuple(tokens[full * KV_BLOCK:]))
         self.published += new
+        if salt:
+            return new
         if fresh and self.on_publish is not None:
             self.on_publish(fresh)
         if tail_entry is not None and self.on_tail is not None:  # after the blocks it continues
@@ -234,7 +240,7 @@ class BlockPool:
         return True
 
     def match_tail(self, tokens: Sequence[int], table: Sequence[int],
-                   limit: int) -> tuple[int | None, int]:
+                   limit: int, salt: bytes = b"") -> tuple[int | None, int]:
         """Take over a cached block continuing `table` (what match_prefix returned for `tokens`).
 
         Returns (block, n): of the unreferenced cached blocks whose parent is the table's last
@@ -246,7 +252,7 @@ class BlockPool:
         release the block like any allocated one.
         """
         start = len(table) * KV_BLOCK
-        parent = self._meta[table[-1]].serial if table else None
+        parent = self._meta[table[-1]].serial if table else _root(salt)
         rest = tuple(tokens[start:start + min(limit, KV_BLOCK - 1)])
         best, agree = None, 0
         for b in self._tails_by_parent.get(parent, ()):
@@ -268,18 +274,19 @@ class BlockPool:
         self.hit_tokens += agree
         return best, agree
 
-    def match_prefix(self, tokens: Sequence[int], max_blocks: int | None = None) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], max_blocks: int | None = None,
+                     salt: bytes = b"") -> list[int]:
         """Adopt the longest run of published blocks equal to the leading full blocks of tokens.
 
         Each returned block gets one more reference (release() it later) and becomes most
         recently used. `max_blocks` caps the run (leave at least one token to evaluate).
         Cached blocks are only adopted from unreserved headroom, so a match never eats into
-        blocks promised to admitted requests.
+        blocks promised to admitted requests. `salt`: the one the blocks were published under.
         """
         full = len(tokens) // KV_BLOCK
         if max_blocks is not None:
             full = min(full, max_blocks)
-        digest, parent, out = None, None, []
+        digest, parent, out = salt or None, _root(salt), []
         for i in range(full):
             chunk = tuple(tokens[i * KV_BLOCK : (i + 1) * KV_BLOCK])
             digest = block_hash(digest, chunk)
@@ -368,6 +375,11 @@ class BlockPool:
         self._children[meta.parent].discard(b)
         if not self._children[meta.parent]:
             del self._children[meta.parent]
+
+
+def _root(salt: bytes) -> bytes | None:
+    """The parent key of a chain's first block: None unsalted, else the salt itself."""
+    return salt or None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

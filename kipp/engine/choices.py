@@ -255,7 +255,8 @@ class Run:
         capacity = len(self.request.prompt) + self.request.max_tokens
         leader.reservation = self.reservation
         for i in range(self.request.n):
-            session = leader if i == 0 else self.model.session(capacity, self.reservation)
+            session = leader if i == 0 else self.model.session(capacity, self.reservation,
+                                                               adapter=leader.adapter)
             copy = matcher if i == 0 or matcher is None else matcher.copy()
             self.choices.append(Choice(self, i, session, copy))
 
@@ -297,7 +298,7 @@ class Run:
         if not followers or not self.adopts:
             return  # a request that adopts nothing started its followers at admission
         leader = self.choices[0].session
-        self.model.pool.publish(leader.tokens, leader.block_table)
+        self.model.pool.publish(leader.tokens, leader.block_table, salt=leader.salt)
         for follower in followers:
             adopted = follower.session.match_prefix(self.request.prompt)
             self.scheduler.counters["reused_tokens"] += adopted

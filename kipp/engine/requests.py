@@ -51,6 +51,7 @@ class Request:
     spec: SpecConfig | None = None
     # A chat reply's think block: split off as its own part, bounded (kipp.text.reasoning).
     reasoning: Reasoning | None = None
+    adapter: str | None = None  # the LoRA adapter it runs under (Model.add_adapter); None: base
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))

@@ -94,6 +94,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._ids = iter(range(1, 1 << 62))
         self._thread: threading.Thread | None = None
+        self._calls: deque = deque()  # call_on_engine's functions, run between steps
         self._stopping = False
         self._drain_deadline: float | None = None  # time.monotonic() when draining
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
@@ -155,6 +156,13 @@ class Scheduler:
     def validate(self, request: Request, session: Session | None = None) -> None:
         """Raise SchedulerError, naming the field (`param`), for a request that can never run."""
         admission.check_request(self.model, request, self.max_batch, session)
+        adapters = getattr(self.model.backend, "adapters", {})
+        if request.adapter is not None and request.adapter not in adapters:
+            raise SchedulerError(f"adapter {request.adapter!r} is not loaded (loaded: "
+                                 f"{', '.join(sorted(adapters)) or 'none'})", param="model")
+        if session is not None and session.adapter != request.adapter:
+            raise SchedulerError(f"the session runs under adapter {session.adapter!r}, the "
+                                 f"request under {request.adapter!r}", param="model")
         if request.reasoning is not None and self.think_tokens is None:
             raise SchedulerError("this model's vocabulary has no single-token <think> tags, so "
                                  "its reasoning cannot be split or bounded", param="reasoning")
@@ -187,6 +195,44 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="kipp-engine", daemon=True)
             self._thread.start()
         return self
+
+    def call_on_engine(self, fn):
+        """fn() on the engine thread between two steps (here when no engine thread runs),
+        for what must not change under a running eval (LoRA adapters loaded at run time).
+        Returns its result or raises its exception."""
+        if self._thread is None:
+            return fn()
+        done, box = threading.Event(), {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+        with self._cv:
+            self._calls.append(call)
+            self._cv.notify()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a queued or running request runs under adapter `name`."""
+        with self._cv:
+            if any(t.request.adapter == name for t in self._fifo):
+                return True
+        return any(run.request.adapter == name for run in list(self._running))
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cv:
+                if not self._calls:
+                    return
+                call = self._calls.popleft()
+            call()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the engine thread; queued and running requests end with Failed."""
@@ -259,10 +305,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._fifo and not self._running:
+                while (not self._stopping and not self._fifo and not self._running
+                       and not self._calls):
                     self._cv.wait()
-                if self._stopping:
-                    return
+                stopping = self._stopping
+            self._run_calls()  # also when stopping: a caller waits on each
+            if stopping:
+                return
             try:
                 self.step()
             except Exception:  # a bug in the loop itself: fail what is running, keep serving
@@ -404,7 +453,7 @@ class Scheduler:
         run = Run(self, ticket)
         borrowed = ticket.session is not None
         leader = ticket.session if borrowed else model.session(
-            len(request.prompt) + request.max_tokens)
+            len(request.prompt) + request.max_tokens, adapter=request.adapter)
         had_tokens = borrowed and bool(leader.tokens)
         # scoring a prompt needs every prompt row's logits, so it adopts nothing
         run.cached_tokens = admission.keep_prefix(leader, request.prompt,

@@ -31,6 +31,8 @@ class SessionOwner(Protocol):
 
     def eval_batch(self, requests) -> list[np.ndarray]: ...
 
+    def adapter_salt(self, adapter: str | None) -> bytes: ...
+
 
 class SessionError(KippError, ValueError):
     """A session call with bad arguments; the session is unchanged."""
@@ -40,12 +42,16 @@ class Session:
     """One sequence on a model. Use as a context manager, or call close() when done."""
 
     def __init__(self, model: SessionOwner, capacity: int | None = None,
-                 reservation: Reservation | None = None):
+                 reservation: Reservation | None = None, adapter: str | None = None):
         context = model.entry.context_length
         capacity = context if capacity is None else capacity
         if not 1 <= capacity <= context:
             raise SessionError(f"capacity {capacity} is outside 1..{context}, the context length "
                                f"of {model.entry.id}")
+        # the LoRA adapter every eval of this session runs under (None: the base weights);
+        # its salt keys the blocks it publishes and adopts (kipp.engine.blocks)
+        self.salt = model.adapter_salt(adapter)
+        self.adapter = adapter
         self.model = model
         self.capacity = capacity
         self.tokens: list[int] = []
@@ -69,6 +75,7 @@ class Session:
     def _display_rows(self) -> list[tuple[str, str]]:
         shared = f" ({self.shared_blocks} adopted from the pool)" if self.shared_blocks else ""
         return [("state", "closed" if self.closed else "open"),
+                ("adapter", self.adapter or "none (base weights)"),
                 ("length", f"{self.length:,} of {self.capacity:,} tokens (capacity)"),
                 ("blocks", f"{count(len(self.block_table), 'block')} ({KV_BLOCK} tokens each)"
                            f"{shared}")]
@@ -97,7 +104,8 @@ class Session:
         if not 1 <= logits_rows <= len(tokens):
             raise SessionError(f"logits_rows {logits_rows} is outside 1..{len(tokens)}")
         self._grow(self.length + len(tokens))
-        return EvalItem(tuple(tokens), self.length, tuple(self.block_table), logits_rows)
+        return EvalItem(tuple(tokens), self.length, tuple(self.block_table), logits_rows,
+                        self.adapter)
 
     def commit(self, item: EvalItem) -> None:
         """Record an evaluated item's tokens as part of the timeline."""
@@ -126,8 +134,9 @@ class Session:
         tokens = self.model.check_tokens(tokens)
         usable = min(len(tokens) - 1, self.capacity)
         pool = self.model.pool
-        blocks = pool.match_prefix(tokens, max_blocks=usable // KV_BLOCK)
-        disk = getattr(self.model, "kv_disk", None)  # kipp.engine.kv_disk: the blocks after
+        blocks = pool.match_prefix(tokens, max_blocks=usable // KV_BLOCK, salt=self.salt)
+        # kipp.engine.kv_disk: the blocks after (its keys are unsalted: base sessions only)
+        disk = None if self.salt else getattr(self.model, "kv_disk", None)
         if disk is not None and len(blocks) < usable // KV_BLOCK:
             try:
                 blocks = disk.extend(tokens, blocks, usable // KV_BLOCK)
@@ -136,7 +145,7 @@ class Session:
                 raise
         self.block_table = list(blocks)
         self.shared_blocks = len(blocks)
-        tail, n = pool.match_tail(tokens, blocks, usable - len(blocks) * KV_BLOCK)
+        tail, n = pool.match_tail(tokens, blocks, usable - len(blocks) * KV_BLOCK, self.salt)
         if tail is None and disk is not None and len(blocks) == usable // KV_BLOCK:
             try:
                 tail, n = disk.tail(tokens, blocks, usable - len(blocks) * KV_BLOCK)
@@ -180,7 +189,7 @@ class Session:
         if self.closed:
             return
         if publish and self.tokens:
-            self.model.pool.publish(self.tokens, self.block_table, tail=True)
+            self.model.pool.publish(self.tokens, self.block_table, tail=True, salt=self.salt)
         self.tokens = []
         self._shrink_table(0)
         self.closed = True

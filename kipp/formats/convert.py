@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -31,15 +32,26 @@ from kipp.formats.quant import scheme as get_scheme
 _CHUNK_BYTES = 64 << 20  # float32 bytes of source rows converted at once
 
 
-def convert(checkpoint_id: str, source, scheme_name: str, out, progress: bool = True) -> Path:
-    """Write the `scheme_name` artifact of `checkpoint_id` from the HF folder `source` to `out`."""
+def convert(checkpoint_id: str, source, scheme_name: str, out, progress: bool = True,
+            merge_lora=None) -> Path:
+    """Write the `scheme_name` artifact of `checkpoint_id` from the HF folder `source` to `out`.
+    `merge_lora`: a LoRA adapter folder (kipp.lora.adapter) trained on the checkpoint, merged
+    into the projections (W + s B A in float32, rounded to BF16 as the source is, then the
+    scheme's encoding) and recorded in the metadata (kipp.lora.*)."""
     entry = registry.get(checkpoint_id)
     scheme = get_scheme(scheme_name)
     source, out = Path(source), Path(out)
+    adapter = None
+    if merge_lora is not None:
+        from kipp.lora.adapter import load_adapter
+
+        adapter = load_adapter(merge_lora, entry)  # refused before anything is written
     _check_config(entry, source)
     specs = expected_tensors(entry, scheme)
     writer = gguf.Writer(out)
     for field in expected_metadata(entry, scheme) + tokenizer_metadata(_tokenizer(entry, source)):
+        writer.add(*field)
+    for field in _lora_metadata(adapter):
         writer.add(*field)
     for spec in specs:
         writer.add_tensor(spec.name, spec.shape, spec.ggml_type)
@@ -51,7 +63,7 @@ def convert(checkpoint_id: str, source, scheme_name: str, out, progress: bool = 
                                        desc=f"{entry.id} {scheme.name}"))
         with writer:
             for spec in specs:
-                for chunk in _converted_chunks(src, spec, scheme):
+                for chunk in _converted_chunks(src, spec, scheme, adapter):
                     writer.write_data(spec.name, chunk)
                     bar.update(chunk.nbytes)
     return out
@@ -114,7 +126,32 @@ def _check_tied_head(src: HfSource) -> None:
                                f"from model.embed_tokens.weight")
 
 
-def _converted_chunks(src: HfSource, spec: TensorSpec, scheme: WeightScheme):
+def _lora_metadata(adapter) -> list[tuple]:
+    """What a merged artifact records of its adapter (nothing without one)."""
+    if adapter is None:
+        return []
+    s, f32, u32 = gguf.ValueType.STRING, gguf.ValueType.FLOAT32, gguf.ValueType.UINT32
+    return [("kipp.lora.merged", adapter.name, s), ("kipp.lora.format", adapter.format, s),
+            ("kipp.lora.digest", adapter.digest.hex(), s), ("kipp.lora.rank", adapter.rank, u32),
+            ("kipp.lora.scale", float(np.float32(adapter.scale)), f32),
+            ("kipp.lora.targets", ",".join(adapter.targets), s)]
+
+
+_LAYER_PROJECTION = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.weight")
+
+
+def _merged(chunk: np.ndarray, name: str, start: int, adapter) -> np.ndarray:
+    """BF16 source rows [start, start + n) of projection `name` with s B A added."""
+    m = _LAYER_PROJECTION.fullmatch(name)
+    pair = adapter.weights.get((int(m[1]), m[2])) if m else None
+    if pair is None:
+        return chunk
+    a, b = pair
+    delta = np.float32(adapter.scale) * (b[start:start + chunk.shape[0]] @ a)  # [n, in]
+    return (chunk.astype(np.float32) + delta).astype(ml_dtypes.bfloat16)
+
+
+def _converted_chunks(src: HfSource, spec: TensorSpec, scheme: WeightScheme, adapter=None):
     """Yield the artifact bytes of `spec`, a block of rows at a time."""
     rows = spec.shape[0]
     row_floats = int(np.prod(spec.shape[1:], dtype=np.int64)) or 1
@@ -126,6 +163,8 @@ def _converted_chunks(src: HfSource, spec: TensorSpec, scheme: WeightScheme):
         if spec.kind == "norm":
             yield chunk.astype(np.float32)
         elif spec.kind == "proj":
+            if adapter is not None:
+                chunk = _merged(chunk, spec.source, start, adapter)
             try:
                 yield quantize(chunk, scheme)
             except QuantError as e:

@@ -36,7 +36,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
           chat_max_tokens: int | None = None, speculative: bool = False,
           drain_timeout: float = DEFAULT_DRAIN_SECONDS, reasoning_format: str = "auto",
           max_output_tokens: int | None = None, stops: tuple[str, ...] = (),
-          access=None) -> None:
+          access=None, runtime_lora: bool = False) -> None:
     """Run the engine thread and the HTTP server until SIGTERM or SIGINT, then drain for up to
     `drain_timeout` seconds and return. `port` 0 picks a free port; the line "kipp: serving
     MODEL on http://HOST:PORT" on stderr says which. `speculative` decodes greedy requests with
@@ -53,7 +53,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
     app = create_app(model, scheduler, model_name=model_name, served_names=served_names,
                      chat_max_tokens=chat_max_tokens or DEFAULT_CHAT_MAX_TOKENS,
                      reasoning_format=reasoning_format, max_output_tokens=max_output_tokens,
-                     stops=stops, access=access)
+                     stops=stops, access=access, runtime_lora=runtime_lora)
     # channel_request_lookahead: a channel stays readable while its request runs, so a client
     # that closes its connection is seen (waitress.client_disconnected) and its request ends.
     sockets: dict = {}

@@ -14,6 +14,7 @@ the response iterator, whose `finally` cancels the tickets.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -22,7 +23,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from kipp.engine.scheduler import (
@@ -65,7 +66,12 @@ class Server:
                  reasoning_format: str = "auto", max_output_tokens: int | None = None,
                  stops: tuple[str, ...] = ()):
         self.model, self.scheduler = model, scheduler
-        self.served = served  # the first is the name responses report
+        self.base_names = served  # the base weights' names; the first is the one reported
+        # a request's "model" may also name a loaded LoRA adapter (as vLLM's --lora-modules)
+        self.adapters = tuple(getattr(model.backend, "adapters", {}))
+        clash = sorted(set(self.adapters) & set(served))
+        if clash:
+            raise ValueError(f"adapter name {clash[0]!r} is also a served model name")
         self.tokenizer = model.tokenizer
         self.token_text = TokenText(model.tokenizer)
         self.metrics = Metrics(scheduler)
@@ -78,6 +84,22 @@ class Server:
     @property
     def name(self) -> str:
         return self.served[0]
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Every name a body's "model" may give: the base's, then the adapters'."""
+        return self.base_names + self.adapters
+
+    def _under_adapter(self, call: Call) -> Call:
+        """The call's requests under the adapter the body's "model" names (checked already
+        against `served` by the parser), else unchanged: the base weights."""
+        body = g.get("json_body")
+        name = body.get("model") if isinstance(body, dict) else None
+        if name not in self.adapters:
+            return call
+        return dataclasses.replace(
+            call, request=dataclasses.replace(call.request, adapter=name),
+            batch=tuple(dataclasses.replace(r, adapter=name) for r in call.batch))
 
     def chat_context(self) -> ChatContext:
         """What a chat translator needs (kipp.http.schema.chat_request)."""
@@ -102,6 +124,7 @@ class Server:
 
     def answer(self, call: Call, shape: Shape, endpoint: str):
         """Submit the call and answer: an SSE stream, or the whole response once it is done."""
+        call = self._under_adapter(call)
         ticket = _submit(self.scheduler, call)
         gone = request.environ.get("waitress.client_disconnected")
         if call.stream:
@@ -127,11 +150,12 @@ def create_app(model, scheduler, *, model_name: str | None = None,
                served_names: tuple[str, ...] = (),
                chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS, reasoning_format: str = "auto",
                max_output_tokens: int | None = None, stops: tuple[str, ...] = (),
-               access: Access | None = None) -> Flask:
+               access: Access | None = None, runtime_lora: bool = False) -> Flask:
     """The app over a started Scheduler of `model`: OpenAI's chat and completions, the
     Responses API, Anthropic's Messages API, tokenize/detokenize, health and metrics.
     `served_names`: the model names requests may give (the first is reported; default the
-    checkpoint id, or `model_name`)."""
+    checkpoint id, or `model_name`). `runtime_lora`: POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter load and unload LoRA adapters from server-side folders."""
     from kipp.http import messages, responses
 
     app = Flask("kipp")
@@ -147,7 +171,57 @@ def create_app(model, scheduler, *, model_name: str | None = None,
     _token_routes(app, server)
     responses.register(app, server)
     messages.register(app, server)
+    if runtime_lora:
+        _lora_routes(app, server)
     return app
+
+
+def _lora_routes(app: Flask, server: Server) -> None:
+    """Loading and unloading LoRA adapters at run time (vLLM's endpoint names and fields):
+    validated in the handler, registered with the backend on the engine thread between steps."""
+    from kipp.http.fields import bad, check_fields
+    from kipp.lora.adapter import AdapterError, load_adapter
+
+    def name_of(body: dict, endpoint: str, fields: set[str]) -> str:
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        check_fields(body, fields, endpoint)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad("'lora_name' must be a non-empty string", "lora_name")
+        return name
+
+    @app.post("/v1/load_lora_adapter")
+    def load_lora():
+        body = json_body()
+        name = name_of(body, "/v1/load_lora_adapter", {"lora_name", "lora_path"})
+        if name in server.served:
+            raise bad(f"'{name}' is served already", "lora_name")
+        if not isinstance(body.get("lora_path"), str):
+            raise bad("'lora_path' must be a string (an adapter folder on the server)",
+                      "lora_path")
+        try:
+            adapter = load_adapter(body["lora_path"], server.model.entry, name)
+        except AdapterError as e:
+            raise bad(str(e), "lora_path") from None
+        server.scheduler.call_on_engine(lambda: server.model.backend.add_adapter(adapter))
+        server.adapters = tuple(server.model.backend.adapters)
+        return {"object": "lora_adapter", "id": name, "loaded": True}
+
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora():
+        name = name_of(json_body(), "/v1/unload_lora_adapter", {"lora_name"})
+        if name not in server.adapters:
+            raise APIError(404, f"no adapter '{name}' is loaded", "lora_name", "model_not_found")
+
+        def unload():
+            if server.scheduler.uses_adapter(name):
+                raise APIError(409, f"adapter '{name}' has requests queued or running",
+                               "lora_name", "adapter_in_use")
+            server.model.backend.remove_adapter(name)
+        server.scheduler.call_on_engine(unload)
+        server.adapters = tuple(server.model.backend.adapters)
+        return {"object": "lora_adapter", "id": name, "loaded": False}
 
 
 def error_response(e: APIError, path: str | None = None) -> Response:
@@ -276,7 +350,7 @@ def _info_routes(app: Flask, server: Server) -> None:
     @app.get("/v1/models")
     def models():
         return {"object": "list",
-                "data": [_model_card(model, name, created) for name in server.served]}
+                "data": [_card(server, name, created) for name in server.served]}
 
     @app.get("/v1/models/<path:name>")
     def one_model(name: str):
@@ -284,7 +358,7 @@ def _info_routes(app: Flask, server: Server) -> None:
             names = ", ".join(f"'{n}'" for n in server.served)
             raise APIError(404, f"model '{name}' is not served here; this server serves "
                                 f"{names}", "model", "model_not_found")
-        return _model_card(model, name, created)
+        return _card(server, name, created)
 
 
 def _generation_routes(app: Flask, server: Server) -> None:
@@ -460,6 +534,18 @@ def _failure(event: Failed) -> APIError:
         return APIError(503, f"the request was ended: {event.message}", code="shutting_down",
                         type="server_error")
     return APIError(500, f"the request failed: {event.message}", type="server_error")
+
+
+def _card(server: Server, name: str, created: int) -> dict:
+    """A served name's card; an adapter's names its base (`parent`, as vLLM lists LoRAs)."""
+    card = _model_card(server.model, name, created)
+    if name in server.adapters:
+        adapter = server.model.backend.adapters[name]
+        card["parent"] = server.name
+        card["kipp"]["adapter"] = {"base": adapter.base, "format": adapter.format,
+                                   "rank": adapter.rank, "scale": adapter.scale,
+                                   "targets": list(adapter.targets)}
+    return card
 
 
 def _model_card(model, served: str, created: int) -> dict:

@@ -8,7 +8,7 @@ import json
 import math
 import re
 
-from flask import request
+from flask import g, request
 
 from kipp.text.sampling import VOCAB_SIZE, SamplingError, SamplingParams
 
@@ -207,6 +207,7 @@ def json_body():
         raise _too_deep() from None
     if _depth_exceeds(body, MAX_JSON_DEPTH):
         raise _too_deep()
+    g.json_body = body  # the body, read once (cache=False), for Server.answer's "model"
     return body
 
 

@@ -26,6 +26,7 @@ from kipp.errors import KippError
 from kipp.formats import kvquant
 from kipp.formats.artifact import Artifact, LayerWeights
 from kipp.formats.registry import HEAD_DIM, KV_HEADS
+from kipp.lora import apply as lora
 from kipp.reference import ops
 
 
@@ -34,6 +35,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     batch_invariant = True  # every row's arithmetic is independent of the others (ops.linear)
+    supports_adapters = True  # LoRA: kipp.lora.apply, row by row
 
     def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
                  kv_scheme: str = "bf16"):
@@ -91,27 +93,33 @@ class ReferenceBackend(Backend):
                                     for item in items])
         cos, sin = ops.rope_tables(positions, self.entry.rope_theta)
         slots = np.concatenate([item.slots(0, item.end_position) for item in items])
+        groups = lora.row_groups(items, self.adapters)  # LoRA adapters' token rows
         for index, layer in enumerate(self.weights.layers):
-            x = self._layer(index, layer, x, items, cos, sin, slots)
+            x = self._layer(index, layer, x, items, cos, sin, slots, groups)
         return self._logits(x, items)
 
-    def _layer(self, index, layer: LayerWeights, x, items, cos, sin, slots):
+    def _layer(self, index, layer: LayerWeights, x, items, cos, sin, slots, groups=()):
         norms = self._norms[index]
         t = x.shape[0]
+
+        def linear(x, name):  # W x, plus s * B (A x) on the rows of each adapter's items
+            return lora.add_low_rank(ops.linear(x, getattr(layer, name)), x, groups, index,
+                                     name)
+
         h = ops.rms_norm(x, norms["attn_norm"])                            # (1)
-        q = ops.linear(h, layer.q).reshape(t, -1, HEAD_DIM)                 # (2) [T, H, 128]
-        k = ops.linear(h, layer.k).reshape(t, KV_HEADS, HEAD_DIM)           #     [T, 8, 128]
-        v = ops.linear(h, layer.v).reshape(t, KV_HEADS, HEAD_DIM)
+        q = linear(h, "q").reshape(t, -1, HEAD_DIM)                         # (2) [T, H, 128]
+        k = linear(h, "k").reshape(t, KV_HEADS, HEAD_DIM)                   #     [T, 8, 128]
+        v = linear(h, "v").reshape(t, KV_HEADS, HEAD_DIM)
         q = ops.rms_norm(q, norms["q_norm"])                                # (3)
         k = ops.rms_norm(k, norms["k_norm"])
         q = ops.apply_rope(q, cos, sin)                                     # (4)
         k = ops.apply_rope(k, cos, sin)
         attn = self._attention(index, q, k, v, items, slots)                # (5) [T, H * 128]
-        x = x + ops.linear(attn, layer.o)                                   # (6)
+        x = x + linear(attn, "o")                                           # (6)
         h = ops.rms_norm(x, norms["ffn_norm"])                              # (7)
         with np.errstate(over="ignore"):  # exp overflow in SiLU of very negative x gives -0
-            ffn = ops.silu(ops.linear(h, layer.gate)) * ops.linear(h, layer.up)
-        return x + ops.linear(ffn, layer.down)                              # (8), (9)
+            ffn = ops.silu(linear(h, "gate")) * linear(h, "up")
+        return x + linear(ffn, "down")                                      # (8), (9)
 
     def _attention(self, index, q, k, v, items, slots):
         """Store this call's K/V (BF16 or Q8_0), then attend every token over its visible

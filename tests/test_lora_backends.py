@@ -1,0 +1,88 @@
+"""LoRA on the accelerated backends: the JAX and MLX twins (every weight scheme, the low-rank part
+in float32 beside the base) against the reference with the same adapters, a batch mixing two
+adapters and the base against each item alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_lora import TINY, make_adapters  # noqa: E402
+
+from kipp import gates  # noqa: E402
+from kipp.backend import EvalItem  # noqa: E402
+from kipp.formats.artifact import open_artifact  # noqa: E402
+from kipp.lora.adapter import load_adapter  # noqa: E402
+from kipp.reference.backend import ReferenceBackend  # noqa: E402
+
+SCHEMES = ["bf16", "q8_0", "affine4_gs32", "scale4_gs32"]
+BLOCKS = 12
+ADAPTERS = ("alpha", None, "beta")  # one item each, in one batch
+# JAX twins vs the reference with adapters: measured 1.98e-9 (q8_0; bf16 9.4e-12) over SCHEMES
+# with `pytest -m slow tests/test_lora_backends.py -s`: within the base's calibrated bound
+# (kipp.gates.bounds), which the gate uses unchanged.
+
+
+@pytest.fixture(scope="module")
+def made(tiny_dir, tmp_path_factory):
+    return make_adapters(tiny_dir, tmp_path_factory.mktemp("lora"))
+
+
+def _tokens(seed, n):
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(0, 151_643, n))
+
+
+def _with_adapters(backend, made, entry):
+    for name in ("alpha", "beta"):
+        backend.add_adapter(load_adapter(made[name][0], entry, name))
+    return backend
+
+
+def _run(backend, prompts, tables, steps=2):
+    """Every prompt position's logits, then `steps` decode steps, all items in each call."""
+    out = [[row] for row in backend.eval([
+        EvalItem(p, 0, t, len(p), a) for p, t, a in zip(prompts, tables, ADAPTERS)])]
+    for step in range(steps):
+        items = [EvalItem((100 + step,), len(p) + step, t, 1, a)
+                 for p, t, a in zip(prompts, tables, ADAPTERS)]
+        for rows, row in zip(out, backend.eval(items)):
+            rows.append(row)
+    return [np.concatenate(rows) for rows in out]
+
+
+def _accelerated(name, artifact):
+    if name == "jax":
+        pytest.importorskip("jax")
+        from kipp.cuda.backend import JaxBackend
+
+        return JaxBackend(artifact, BLOCKS)
+    pytest.importorskip("mlx.core")
+    from kipp.apple.backend import MLXBackend
+
+    return MLXBackend(artifact, BLOCKS)
+
+
+# jax: ~40 s a scheme on two cores (the step compiles for four shapes); mlx: ~15 s; the
+# default suite runs mlx on bf16
+@pytest.mark.parametrize("backend, scheme", [
+    (b, s) if (b, s) == ("mlx", "bf16") else pytest.param(b, s, marks=pytest.mark.slow)
+    for b in ("jax", "mlx") for s in SCHEMES])
+def test_adapters_match_the_reference_and_batch(artifacts, made, scheme, backend):
+    artifact = open_artifact(artifacts(TINY, scheme))
+    ref = _with_adapters(ReferenceBackend(artifact, BLOCKS), made, artifact.entry)
+    jb = _with_adapters(_accelerated(backend, artifact), made, artifact.entry)
+    prompts = [_tokens(seed, n) for seed, n in ((1, 20), (2, 25), (3, 30))]
+    tables = [(0, 1), (2, 3), (4, 5)]
+    want, got = _run(ref, prompts, tables), _run(jb, prompts, tables)
+    worst = 0.0
+    for name, g, w in zip(ADAPTERS, got, want):
+        worst = max(worst, gates.nmse(g, w))
+        differ, ties = gates.argmax_check(g, w)
+        assert differ == ties, (scheme, name, differ, ties)
+    [base] = ref.eval([EvalItem(prompts[0], 0, (6, 7), len(prompts[0]))])
+    assert gates.nmse(base, want[0][:len(prompts[0])]) > 1e-3, "the adapter matters"
+    print(f"{backend} {scheme}: worst NMSE vs reference {worst:.3g}")
+    assert worst <= gates.calibrated_bound(jb, "reference")
+    for i, name in enumerate(ADAPTERS):  # each item alone, on other blocks
+        [alone] = jb.eval([EvalItem(prompts[i], 0, (6 + i, 9 + i % 2), len(prompts[i]), name)])
+        assert gates.nmse(alone, got[i][:len(prompts[i])]) <= gates.calibrated_bound(
+            jb, "batched"), (scheme, name)
