@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -51,12 +53,77 @@ def compare_with_single_device(artifact_path, devices: int = 2, weight_layout: s
             "describe": sharded.describe()}
 
 
+def greedy_logits(backend: JaxBackend, prompt_len: int = 40, decode_steps: int = 3):
+    """A prefill of `prompt_len` seeded random tokens, then `decode_steps` greedy decode
+    steps on `backend`: (logits of every step, the greedy tokens)."""
+    table = (5, 2, 7)
+    tokens = tuple(int(t) for t in np.random.default_rng(0).integers(0, 151_643, prompt_len))
+    items = [EvalItem(tokens, 0, table, prompt_len)]
+    logits, chosen = [], []
+    for step in range(decode_steps + 1):
+        [out] = backend.eval(items)
+        logits.append(out)
+        chosen.append(int(out[-1].argmax()))
+        items = [EvalItem((chosen[-1],), prompt_len + step, table)]
+    return logits, chosen
+
+
+def dump(args) -> int:
+    """--dump: one run's logits and greedy tokens to an .npz, on one device, a mesh of
+    --devices, or (--coordinator) a mesh over --num-processes processes."""
+    from kipp.cuda import distributed
+
+    link = None
+    if args.coordinator:
+        link = distributed.join(distributed.Group.resolve(args.coordinator, args.num_processes,
+                                                          args.process_id),
+                                timeout_s=args.join_timeout)
+    artifact = open_artifact(args.artifact)
+    if link is None and args.devices == 1:
+        backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
+                             device=jax.devices()[0])
+    else:
+        backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
+                             mesh=make_mesh(), link=link)
+    q = backend.params["layers"][0]["q"].w
+    local_rows = q.addressable_shards[0].data.shape[0]
+    Path(args.dump).with_suffix(".ready").touch()  # loaded: the failure tests' cue
+    if link is not None and not link.leader:
+        distributed.follow(backend)
+        return 0
+    if link is not None:
+        link.start_keepalive()
+    logits, chosen = greedy_logits(backend, args.prompt_len, args.decode_steps)
+    time.sleep(args.hold_s)  # idle with the group formed: the keep-alive's test
+    for _ in range(args.repeat):  # the same run again: the failure tests' busy group
+        again, _ = greedy_logits(backend, args.prompt_len, args.decode_steps)
+        if not all(np.array_equal(a, b) for a, b in zip(logits, again)):
+            raise SystemExit("a repeated run's logits differ")
+    np.savez(args.dump, tokens=np.asarray(chosen), q_rows=q.shape[0], local_rows=local_rows,
+             **{f"step{i}": a for i, a in enumerate(logits)})
+    if link is not None:
+        link.stop()
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="sharded vs single-device logits")
     parser.add_argument("artifact")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--layout", default="auto", choices=("auto", "f32", "device"))
+    parser.add_argument("--dump", help="write one run's logits and tokens to this .npz")
+    parser.add_argument("--coordinator", help="HOST:PORT: a mesh over several processes")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
+    parser.add_argument("--prompt-len", type=int, default=40)
+    parser.add_argument("--decode-steps", type=int, default=3)
+    parser.add_argument("--hold-s", type=float, default=0.0,
+                        help="idle this long after the run")
+    parser.add_argument("--repeat", type=int, default=0, help="then run it this many times more")
+    parser.add_argument("--join-timeout", type=int, default=60)
     args = parser.parse_args(argv)
+    if args.dump:
+        return dump(args)
     print(json.dumps(compare_with_single_device(args.artifact, args.devices, args.layout)))
     return 0
 

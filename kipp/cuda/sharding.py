@@ -71,3 +71,31 @@ def param_shardings(params, mesh: Mesh):
               for layer in params["layers"]]
     return {"embed": rep, "head": None if params["head"] is None else rep,
             "output_norm": rep, "layers": layers}
+
+
+def put(tree, shardings):
+    """A pytree of host arrays placed on `shardings` (one sharding, or a matching pytree).
+    Across processes (a sharding not fully addressable) each process builds only the shards
+    its own devices hold, from its own copy of the host value (jax.make_array_from_callback;
+    every process passes the same value); within one process, jax.device_put."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def one(a, s):
+        if s is None or s.is_fully_addressable:
+            return jax.device_put(a, s)
+        a = np.asarray(a)
+        # each local shard a fresh copy: never a view of the artifact's mapped pages
+        return jax.make_array_from_callback(a.shape, s, lambda index: np.array(a[index]))
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated (or single-process) result as one numpy array; across processes
+    np.asarray refuses, so a replicated array is read from this process's own copy."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError("a sharded multi-process result: gather it first")
+    return np.asarray(x.addressable_data(0))
