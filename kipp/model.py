@@ -53,7 +53,7 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_scheme: str = "bf16", kv_mib: float | None = None,
          weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
          draft_tokens: int | None = None, kv_cache_dir: str | Path | None = None,
-         kv_disk_mib: float | None = None) -> "Model":
+         kv_disk_mib: float | None = None, distributed=None) -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -68,8 +68,13 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     adaptive gate's longest, 15).
     `kv_cache_dir` keeps published KV blocks on disk there too (kipp.engine.kv_disk), up to
     `kv_disk_mib` MiB (default: a quarter of the free disk); a later process reuses them.
+    `distributed` (backend "jax"; True: the group from JAX's or SLURM's environment, or a
+    kipp.cuda.distributed.Group) joins a group of processes that hold the model together
+    (docs/distributed.md): process 0's Model serves; on every other process hand the Model to
+    kipp.cuda.distributed.follow, which returns when process 0 stops the group.
     Every argument is checked before any download, conversion or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
+    link = _join_group(distributed, backend, draft, kv_cache_dir)  # before JAX's first call
     _check_disk_arguments(kv_cache_dir, kv_disk_mib)
     check_weight_memory(weight_memory)
     sizes = _draft_sizes(draft, draft_tokens)
@@ -78,6 +83,10 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if kv_mib is not None:
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
+    if link is not None:
+        from kipp.cuda.sharding import make_mesh
+
+        options.update(mesh=make_mesh(), link=link)
     if weight_memory != "auto":
         options["weight_memory"] = weight_memory
     # the tokenizer first: building its tables takes ~40 MiB of scratch at Qwen3's vocabulary,
@@ -90,6 +99,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if progress:
         print(f"kipp: backend {backend.describe()} ({choice.reason})", file=sys.stderr)
     model = Model(artifact, backend, tokenizer)
+    if link is not None and link.leader:
+        link.start_keepalive()
     if draft is not None:
         if not isinstance(draft, Model):
             draft = load(draft, choice.name, scheme, kv_tokens, progress, kv_scheme, kv_mib,
@@ -98,6 +109,24 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if kv_cache_dir is not None:
         model.attach_kv_disk(kv_cache_dir, kv_disk_mib)
     return model
+
+
+def _join_group(distributed, backend: str, draft, kv_cache_dir):
+    """The distributed group's link (joined), or None when `distributed` is not asked."""
+    if distributed is None or distributed is False:
+        return None
+    if backend != "jax":
+        raise KippError(f"distributed needs backend='jax' (got {backend!r})")
+    if draft is not None or kv_cache_dir is not None:
+        raise KippError("distributed does not take a draft model or kv_cache_dir yet")
+    from kipp.cuda import distributed as group_runtime
+
+    group = group_runtime.Group.resolve() if distributed is True else distributed
+    if not isinstance(group, group_runtime.Group):
+        raise KippError("distributed must be True or a kipp.cuda.distributed.Group, "
+                        f"not {distributed!r}")
+    group.check()
+    return group_runtime.join(group)
 
 
 def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:

@@ -217,3 +217,70 @@ def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
     where = "coordinator 127.0.0.1:" if victim == 0 else f"127.0.0.1 pid {proc.pid}"
     assert f"process {survivor} of 2: lost process {victim} ({where}" in line, line
     assert took < FAILURE_BOUND_S, took
+
+
+# -- kipp serve --distributed ---------------------------------------------------------------------
+
+SERVE_ARGS = ("--kv-tokens", "512", "--max-batch", "2")
+
+
+def chat_replies(server) -> list[tuple[str, list[str], np.ndarray]]:
+    """Each greedy reply's text, tokens and their logprobs (the synthetic model's text alone
+    hardly depends on its input: the logprobs are what tell two servers apart)."""
+    client = server.client()
+    replies = []
+    for prompt in ("Name three colours.", "Count from one to five."):
+        reply = client.chat.completions.create(
+            model="kipp-synthetic/qwen3-tiny", max_tokens=12, temperature=0, logprobs=True,
+            messages=[{"role": "user", "content": prompt}])
+        content = reply.choices[0].logprobs.content
+        replies.append((reply.choices[0].message.content, [t.token for t in content],
+                        np.array([t.logprob for t in content])))
+    return replies
+
+
+def assert_same_replies(got, want) -> None:
+    assert all(text for text, _, _ in want)  # some text to compare
+    for (text, tokens, logprobs), (want_text, want_tokens, want_logprobs) in zip(got, want):
+        assert (text, tokens) == (want_text, want_tokens)
+        # one device against two processes: the sums' order differs, within float32's noise
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_path):
+    """Rank 0 of `kipp serve --distributed` answers the openai client with a single-process
+    server's text; SIGTERM on rank 0 drains it and both processes exit 0."""
+    from live_server import LiveServer
+
+    artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
+    for key, value in rank_env().items():
+        monkeypatch.setenv(key, value)
+    for key in [k for k in os.environ if "_proxy" in k.lower()]:
+        monkeypatch.delenv(key)
+    single = LiveServer(artifact, "--backend", "jax", *SERVE_ARGS)
+    try:
+        want = chat_replies(single)
+    finally:
+        single.stop()
+    port = free_port()
+    group = ("--backend", "jax", "--distributed", "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", "2")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "kipp.cli", "serve", str(artifact), *group, "--process-id", "1",
+         "--kv-disk-mib", "0", *SERVE_ARGS], stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "follower.log", "w"))
+    try:
+        leader = LiveServer(artifact, *group, "--process-id", "0", *SERVE_ARGS)
+        try:
+            assert_same_replies(chat_replies(leader), want)
+            leader.proc.send_signal(signal.SIGTERM)
+            assert leader.proc.wait(DEADLINE_S) == 0
+            assert follower.wait(FAILURE_BOUND_S) == 0, (tmp_path / "follower.log").read_text()
+        finally:
+            if leader.proc.poll() is None:
+                leader.proc.kill()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.wait()

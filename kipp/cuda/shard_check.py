@@ -85,8 +85,10 @@ def dump(args) -> int:
     else:
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
                              mesh=make_mesh(), link=link)
-    q = backend.params["layers"][0]["q"].w
-    local_rows = q.addressable_shards[0].data.shape[0]
+    layers = backend.params["layers"]
+    q = (layers["q"] if isinstance(layers, dict) else layers[0]["q"]).w  # stacked on one CPU
+    rows = 1 if isinstance(layers, dict) else 0  # the output-row axis
+    local_rows = q.addressable_shards[0].data.shape[rows]
     Path(args.dump).with_suffix(".ready").touch()  # loaded: the failure tests' cue
     if link is not None and not link.leader:
         distributed.follow(backend)
@@ -99,7 +101,7 @@ def dump(args) -> int:
         again, _ = greedy_logits(backend, args.prompt_len, args.decode_steps)
         if not all(np.array_equal(a, b) for a, b in zip(logits, again)):
             raise SystemExit("a repeated run's logits differ")
-    np.savez(args.dump, tokens=np.asarray(chosen), q_rows=q.shape[0], local_rows=local_rows,
+    np.savez(args.dump, tokens=np.asarray(chosen), q_rows=q.shape[rows], local_rows=local_rows,
              **{f"step{i}": a for i, a in enumerate(logits)})
     if link is not None:
         link.stop()
