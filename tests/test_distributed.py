@@ -108,7 +108,7 @@ def compare_group(artifact, tmp_path, *extra):
     codes = wait_all(started)
     assert codes == {0: 0, 1: 0}, logs(started)
     group = np.load(started[0][2])
-    assert group["local_rows"] * 2 == group["q_rows"]  # each process holds half the Q rows
+    assert group["local_rows"] * 2 == group["q_rows"]  # each holds half the Q rows (or layers)
     mesh, one = single_run(artifact, tmp_path, 2, *extra), single_run(artifact, tmp_path, 1,
                                                                       *extra)
     assert len(steps(group)) == len(steps(mesh)) >= 2  # a prefill and decode steps
@@ -170,6 +170,24 @@ def test_two_processes_packed_planes(artifacts, tmp_path):
 def test_two_processes_qwen3_06b_shape(artifacts, tmp_path):
     compare_group(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
                   "--layout", "device", "--prompt-len", 24, "--decode-steps", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint_id,scheme,layout", [
+    ("kipp-synthetic/qwen3-tiny-untied", "bf16", "f32"),
+    ("kipp-synthetic/qwen3-tiny", "q8_0", "device"),
+])
+def test_two_pipeline_stages_equal_two_devices_bitwise(artifacts, tmp_path, checkpoint_id,
+                                                       scheme, layout):
+    # each process holds half the layers and its half of the slab; the hidden state is
+    # handed on with ppermute
+    compare_group(artifacts(checkpoint_id, scheme), tmp_path, "--layout", layout, "--pipeline")
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_qwen3_06b_shape(artifacts, tmp_path):
+    compare_group(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
+                  "--layout", "device", "--prompt-len", 24, "--decode-steps", 2, "--pipeline")
 
 
 # -- failure: never a hang ------------------------------------------------------------------------

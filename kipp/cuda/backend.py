@@ -73,6 +73,14 @@ class JaxBackend(Backend):
             if mesh is None:
                 raise ValueError("a distributed JaxBackend needs a mesh over every process")
             self.supports_kv_io = False  # the slab's blocks live in several processes
+        from kipp.cuda import sharding
+
+        self.pipelined = sharding.pipelined(mesh)  # mesh axis "pp": layer ranges in stages
+        if self.pipelined:
+            self.supports_kv_io = False  # the slab's layers live on several devices
+            if entry.layers % mesh.shape[sharding.PIPELINE]:
+                raise ValueError(f"{entry.layers} layers do not split into "
+                                 f"{mesh.shape[sharding.PIPELINE]} equal pipeline stages")
         facts = plan.gather(self.device, mesh)
         chosen = None if plan.explicit_layout(weight_layout) else memory.choose_weight_memory(
             weight_memory, gpu=facts.gpu, float32_bytes=layout.float32_bytes(artifact),
@@ -86,6 +94,7 @@ class JaxBackend(Backend):
         self.choice, self.memory, self.layout = (self.plan.choice, self.plan.memory,
                                                  self.plan.layout)
         self.cpu_attention, self.stacked = self.plan.cpu_attention, self.plan.stacked
+        self.stacked = self.stacked or self.pipelined  # the stages split the stacked layers
         self.compiler_options = dict(LEAN_CPU_COMPILE) if self.plan.lean_compile else {}
         self.fallback = probe.fallback_enabled(fallback)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
@@ -119,6 +128,9 @@ class JaxBackend(Backend):
             from kipp.cuda import sharding
 
             mesh = self.mesh
+            if self.pipelined:
+                self._load_stages(artifact, mesh)
+                return
             if self.link is not None:  # each process places only its own shards
                 def place(name, value):
                     return sharding.put(value, sharding.leaf_sharding(name, value, mesh))
@@ -141,8 +153,30 @@ class JaxBackend(Backend):
                            _signature(self.rope), tuple(sorted(self.compiler_options.items())))
         memory.trim_heap()  # the host copies and the packing's scratch, freed: back to the OS
 
+    def _load_stages(self, artifact: Artifact, mesh) -> None:
+        """Pipeline parallel: every stacked layer tensor and the slab split by layer ranges
+        over the stages (each process placing only its own), the rest replicated."""
+        from kipp.cuda import sharding
+
+        stage, replicated = sharding.stage_sharding(mesh), sharding.replicated(mesh)
+        per_layer = set(layout.PROJECTIONS + layout.NORMS)
+        self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
+            sharding.put(value, stage if name in per_layer else replicated)),
+            self.plan.bits, stacked=True)
+        self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
+                                            self.plan.platform, True, stage)
+        self.kv = self._kv_zeros()
+        cos, sin = rope_tables(np.arange(self.rope_positions), self.entry.rope_theta)
+        self.rope = sharding.put((cos, sin), replicated)
+        self._replicated = replicated
+        self._signature = (self._ops(), _signature(self.params), _signature(self.kv),
+                           _signature(self.rope), tuple(sorted(self.compiler_options.items())))
+        memory.trim_heap()
+
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
+        if self.pipelined:
+            where = f"pipeline of {self.mesh.size} stages"
         if self.link is not None:
             where += f" over {self.link.processes} processes"
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
@@ -319,7 +353,7 @@ class JaxBackend(Backend):
         return program
 
     def _put(self, tree, where):
-        if self.link is None:
+        if self.link is None and not self.pipelined:
             return jax.device_put(tree, where)
         from kipp.cuda import sharding
 
@@ -330,7 +364,8 @@ class JaxBackend(Backend):
         kernels = self.choice.kernels and bool(self.kernels.running)
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back),
-                           cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored)
+                           cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored,
+                           pipeline=self.mesh if self.pipelined else None)
 
 
 def _to_host(logits) -> np.ndarray:

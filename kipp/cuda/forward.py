@@ -42,6 +42,7 @@ class Ops:
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
     cpu_attention: bool = False  # twins' decode attention on Kipp's CPU kernel (one CPU device)
     cpu_stored: bool = False  # twins' stored-format projections on Kipp's CPU matmul (one CPU)
+    pipeline: object = None  # a Mesh with a "pp" axis: stacked layers in stages (_pipeline)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False, layer=None) -> jax.Array:
         """x @ w^T; `layer`: w is stacked over layers and read at that layer by Kipp's CPU
@@ -108,19 +109,10 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
     """One round: (logits [R, vocab] float32, the updated KV slab)."""
     x = _embed(params["embed"], r.tokens)  # [T, hidden]
     cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
-    if isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
-        layers = params["layers"]
-
-        def body(carry, i):
-            x, k_cache, v_cache = carry
-            # Kipp's CPU matmuls index a stacked weight themselves; the rest is sliced
-            p = {name: w if ops.reads_stacked(w) else jax.tree.map(lambda a: a[i], w)
-                 for name, w in layers.items()}
-            return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i), None
-
-        count = jax.tree.leaves(layers)[0].shape[0]
-        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, *kv), jnp.arange(count))
-        new_kv = (k_cache, v_cache)
+    if isinstance(params["layers"], dict) and ops.pipeline is not None:
+        x, new_kv = _pipeline(x, params["layers"], kv, cos, sin, r, ops)
+    elif isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
+        x, new_kv = _scanned(x, params["layers"], kv, cos, sin, r, ops)
     else:
         new_kv = []
         for layer, (k_cache, v_cache) in zip(params["layers"], kv):
@@ -129,6 +121,50 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
         new_kv = tuple(new_kv)
     h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
     return ops.linear(h, _head(params), head=True), new_kv
+
+
+def _scanned(x, layers, kv, cos, sin, r: RoundArrays, ops: Ops):
+    """Every stacked layer in order, one layer's code scanned: (x, the updated (K, V))."""
+    def body(carry, i):
+        x, k_cache, v_cache = carry
+        # Kipp's CPU matmuls index a stacked weight themselves; the rest is sliced
+        p = {name: w if ops.reads_stacked(w) else jax.tree.map(lambda a: a[i], w)
+             for name, w in layers.items()}
+        return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i), None
+
+    count = jax.tree.leaves(layers)[0].shape[0]
+    (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, *kv), jnp.arange(count))
+    return x, (k_cache, v_cache)
+
+
+def _pipeline(x, layers, kv, cos, sin, r: RoundArrays, ops: Ops):
+    """Pipeline parallel: the stacked layers and slab split into contiguous ranges over the
+    mesh's "pp" axis (kipp.cuda.sharding.PIPELINE). Stage s runs its range when the hidden
+    state reaches it (a `cond`: the other stages stream no weights meanwhile), then
+    `ppermute` hands the state to stage s + 1; the last stage's output is shared with every
+    stage (a psum of it and zeros: exact) for the final norm and head."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ops.pipeline
+    stages = mesh.shape["pp"]
+
+    def stage(x, layers, kv, cos, sin, r):
+        me = jax.lax.axis_index("pp")
+
+        def run(x, kv):
+            return _scanned(x, layers, kv, cos, sin, r, ops)
+
+        for s in range(stages):
+            x, kv = jax.lax.cond(me == s, run, lambda x, kv: (x, kv), x, kv)
+            if s < stages - 1:
+                x = jax.lax.ppermute(x, "pp", [(j, j + 1) for j in range(stages - 1)])
+        x = jax.lax.psum(jnp.where(me == stages - 1, x, jnp.zeros_like(x)), "pp")
+        return x, kv
+
+    stacked = jax.tree.map(lambda _: P("pp"), (layers, kv))
+    return jax.shard_map(stage, mesh=mesh, axis_names={"pp"}, check_vma=False,
+                         in_specs=(P(), stacked[0], stacked[1], P(), P(), P()),
+                         out_specs=(P(), stacked[1]))(x, layers, kv, cos, sin, r)
 
 
 def _embed(table, tokens: jax.Array) -> jax.Array:

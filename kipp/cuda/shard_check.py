@@ -21,7 +21,7 @@ import numpy as np
 from kipp import gates
 from kipp.backend import EvalItem
 from kipp.cuda.backend import JaxBackend
-from kipp.cuda.sharding import make_mesh
+from kipp.cuda.sharding import make_mesh, make_pipeline_mesh
 from kipp.formats.artifact import open_artifact
 
 
@@ -83,11 +83,13 @@ def dump(args) -> int:
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
                              device=jax.devices()[0])
     else:
+        mesh = make_pipeline_mesh() if args.pipeline else make_mesh()
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
-                             mesh=make_mesh(), link=link)
+                             mesh=mesh, link=link)
     layers = backend.params["layers"]
     q = (layers["q"] if isinstance(layers, dict) else layers[0]["q"]).w  # stacked on one CPU
-    rows = 1 if isinstance(layers, dict) else 0  # the output-row axis
+    # the split axis: the layers of a pipeline, else the output rows (axis 1 when stacked)
+    rows = 0 if args.pipeline or not isinstance(layers, dict) else 1
     local_rows = q.addressable_shards[0].data.shape[rows]
     Path(args.dump).with_suffix(".ready").touch()  # loaded: the failure tests' cue
     if link is not None and not link.leader:
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
                         help="idle this long after the run")
     parser.add_argument("--repeat", type=int, default=0, help="then run it this many times more")
     parser.add_argument("--join-timeout", type=int, default=60)
+    parser.add_argument("--pipeline", action="store_true",
+                        help="pipeline stages over the devices instead of tensor parallel")
     args = parser.parse_args(argv)
     if args.dump:
         return dump(args)

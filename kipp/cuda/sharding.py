@@ -99,3 +99,26 @@ def to_host(x: jax.Array) -> np.ndarray:
     if not x.is_fully_replicated:
         raise ValueError("a sharded multi-process result: gather it first")
     return np.asarray(x.addressable_data(0))
+
+
+# -- pipeline parallel --------------------------------------------------------------------------
+
+PIPELINE = "pp"
+
+
+def make_pipeline_mesh(stages: int | None = None) -> Mesh:
+    """A one-axis ("pp") mesh: stage i holds the i-th contiguous range of the layers."""
+    found = jax.devices()
+    count = stages or len(found)
+    if count > len(found):
+        raise ValueError(f"asked for {count} stages, JAX sees {len(found)} devices")
+    return Mesh(np.array(found[:count]), (PIPELINE,))
+
+
+def pipelined(mesh: Mesh | None) -> bool:
+    return mesh is not None and PIPELINE in mesh.axis_names
+
+
+def stage_sharding(mesh: Mesh) -> NamedSharding:
+    """A stacked `[layers, ...]` array split along its layers over the stages."""
+    return NamedSharding(mesh, P(PIPELINE))
