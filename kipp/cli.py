@@ -94,6 +94,7 @@ def _load(args):
 
         distributed = Group.resolve(args.coordinator, args.num_processes, args.process_id)
     model = load(args.model, backend=args.backend, scheme=args.scheme, distributed=distributed,
+                 parallel=getattr(args, "parallel", "tensor"),
                  kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
                  kv_scheme=getattr(args, "kv_scheme", "bf16"),
                  weight_memory=getattr(args, "weight_memory", "auto"),
@@ -568,6 +569,9 @@ def _add_serve_command(commands) -> None:
                        "(default: JAX_NUM_PROCESSES or SLURM_NTASKS)")
     group.add_argument("--process-id", type=_at_least(0), help="this process's rank "
                        "(default: JAX_PROCESS_ID or SLURM_PROCID)")
+    group.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
+                       help="tensor: every layer split over every device; pipeline: a range "
+                       "of the layers per process (hosts on a slow link)")
     p.set_defaults(run=_serve)
 
 

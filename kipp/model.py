@@ -46,6 +46,7 @@ from kipp.text.tokenizer import Tokenizer
 
 KV_SCHEMES = ("bf16", "q8_0")  # the KV slab's storage format (see kipp.formats.kvquant for q8_0)
 JAX_DEFAULT_KV_TOKENS = 8192
+PARALLEL = ("tensor", "pipeline")  # how a distributed group splits the model
 
 
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
@@ -53,7 +54,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_scheme: str = "bf16", kv_mib: float | None = None,
          weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
          draft_tokens: int | None = None, kv_cache_dir: str | Path | None = None,
-         kv_disk_mib: float | None = None, distributed=None) -> "Model":
+         kv_disk_mib: float | None = None, distributed=None,
+         parallel: str = "tensor") -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -71,9 +73,13 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `distributed` (backend "jax"; True: the group from JAX's or SLURM's environment, or a
     kipp.cuda.distributed.Group) joins a group of processes that hold the model together
     (docs/distributed.md): process 0's Model serves; on every other process hand the Model to
-    kipp.cuda.distributed.follow, which returns when process 0 stops the group.
+    kipp.cuda.distributed.follow, which returns when process 0 stops the group. `parallel`
+    "tensor" splits every layer over every device; "pipeline" gives each process a range of
+    the layers (tensor parallel over its own devices), for hosts joined by a slow link.
     Every argument is checked before any download, conversion or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
+    if parallel not in PARALLEL:
+        raise KippError(f"unknown parallel {parallel!r}; choose from {', '.join(PARALLEL)}")
     link = _join_group(distributed, backend, draft, kv_cache_dir)  # before JAX's first call
     _check_disk_arguments(kv_cache_dir, kv_disk_mib)
     check_weight_memory(weight_memory)
@@ -84,9 +90,13 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
     if link is not None:
-        from kipp.cuda.sharding import make_mesh
+        import jax
 
-        options.update(mesh=make_mesh(), link=link)
+        from kipp.cuda import sharding
+
+        mesh = (sharding.make_pipeline_mesh(tensor=jax.local_device_count())
+                if parallel == "pipeline" else sharding.make_mesh())
+        options.update(mesh=mesh, link=link)
     if weight_memory != "auto":
         options["weight_memory"] = weight_memory
     # the tokenizer first: building its tables takes ~40 MiB of scratch at Qwen3's vocabulary,

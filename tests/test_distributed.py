@@ -150,6 +150,20 @@ def test_bad_group_is_one_clear_error(args, env, problem):
         Group.resolve(*args, env=env)
 
 
+@pytest.mark.parametrize("options,problem", [
+    (dict(backend="reference", distributed=True), "distributed needs backend='jax'"),
+    (dict(backend="jax", parallel="data"), "unknown parallel 'data'"),
+    (dict(backend="jax", distributed="yes"), "distributed must be True or a"),
+])
+def test_load_refuses_a_bad_distributed_request(options, problem, monkeypatch):
+    # checked before JAX starts, any download or any allocation
+    from kipp.model import load
+
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:9")  # never reached
+    with pytest.raises(KippError, match=problem):
+        load("no-such-checkpoint", **options)
+
+
 # -- two processes as one model -----------------------------------------------------------------
 
 @pytest.mark.slow
@@ -266,7 +280,8 @@ def assert_same_replies(got, want) -> None:
 
 
 @pytest.mark.slow
-def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_path):
+@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_path, parallel):
     """Rank 0 of `kipp serve --distributed` answers the openai client with a single-process
     server's text; SIGTERM on rank 0 drains it and both processes exit 0."""
     from live_server import LiveServer
@@ -283,7 +298,7 @@ def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_pa
         single.stop()
     port = free_port()
     group = ("--backend", "jax", "--distributed", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2")
+             "--num-processes", "2", "--parallel", parallel)
     follower = subprocess.Popen(
         [sys.executable, "-m", "kipp.cli", "serve", str(artifact), *group, "--process-id", "1",
          "--kv-disk-mib", "0", *SERVE_ARGS], stdout=subprocess.DEVNULL,

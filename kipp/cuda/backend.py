@@ -158,13 +158,15 @@ class JaxBackend(Backend):
         over the stages (each process placing only its own), the rest replicated."""
         from kipp.cuda import sharding
 
-        stage, replicated = sharding.stage_sharding(mesh), sharding.replicated(mesh)
+        replicated = sharding.replicated(mesh)
         per_layer = set(layout.PROJECTIONS + layout.NORMS)
         self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-            sharding.put(value, stage if name in per_layer else replicated)),
+            sharding.put(value, sharding.stage_leaf_sharding(name, value, mesh)
+                         if name in per_layer else replicated)),
             self.plan.bits, stacked=True)
         self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
-                                            self.plan.platform, True, stage)
+                                            self.plan.platform, True,
+                                            sharding.stage_kv_sharding(mesh))
         self.kv = self._kv_zeros()
         cos, sin = rope_tables(np.arange(self.rope_positions), self.entry.rope_theta)
         self.rope = sharding.put((cos, sin), replicated)

@@ -83,7 +83,7 @@ def dump(args) -> int:
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
                              device=jax.devices()[0])
     else:
-        mesh = make_pipeline_mesh() if args.pipeline else make_mesh()
+        mesh = make_pipeline_mesh(tensor=args.tensor) if args.pipeline else make_mesh()
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
                              mesh=mesh, link=link)
     layers = backend.params["layers"]
@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--join-timeout", type=int, default=60)
     parser.add_argument("--pipeline", action="store_true",
                         help="pipeline stages over the devices instead of tensor parallel")
+    parser.add_argument("--tensor", type=int, default=1,
+                        help="with --pipeline: tensor parallel over this many devices a stage")
     args = parser.parse_args(argv)
     if args.dump:
         return dump(args)

@@ -106,19 +106,45 @@ def to_host(x: jax.Array) -> np.ndarray:
 PIPELINE = "pp"
 
 
-def make_pipeline_mesh(stages: int | None = None) -> Mesh:
-    """A one-axis ("pp") mesh: stage i holds the i-th contiguous range of the layers."""
+def make_pipeline_mesh(stages: int | None = None, tensor: int = 1) -> Mesh:
+    """A ("pp", "tp") mesh: stage i holds the i-th contiguous range of the layers, tensor
+    parallel over `tensor` devices within it (a host's GPUs: the stages are the hosts)."""
     found = jax.devices()
-    count = stages or len(found)
-    if count > len(found):
-        raise ValueError(f"asked for {count} stages, JAX sees {len(found)} devices")
-    return Mesh(np.array(found[:count]), (PIPELINE,))
+    stages = stages or len(found) // tensor
+    if stages * tensor > len(found) or stages < 1:
+        raise ValueError(f"asked for {stages} stages of {tensor} devices, JAX sees "
+                         f"{len(found)}")
+    return Mesh(np.array(found[:stages * tensor]).reshape(stages, tensor), (PIPELINE, AXIS))
 
 
 def pipelined(mesh: Mesh | None) -> bool:
     return mesh is not None and PIPELINE in mesh.axis_names
 
 
-def stage_sharding(mesh: Mesh) -> NamedSharding:
-    """A stacked `[layers, ...]` array split along its layers over the stages."""
-    return NamedSharding(mesh, P(PIPELINE))
+def stage_sharding(mesh: Mesh, tensor_axis: int | None = None, ndim: int = 1) -> NamedSharding:
+    """A stacked `[layers, ...]` array split along its layers over the stages, and along
+    `tensor_axis` (an axis of the stacked array) over the "tp" axis, if given."""
+    axes = [PIPELINE] + [None] * (ndim - 1)
+    if tensor_axis is not None:
+        axes[tensor_axis] = AXIS
+    return NamedSharding(mesh, P(*axes))
+
+
+def stage_leaf_sharding(name: str, value, mesh: Mesh):
+    """The sharding of one stacked layer parameter (kipp.cuda.layout's names) on a pipeline
+    mesh: its layers over "pp"; a projection also split over "tp" as `leaf_sharding` splits
+    it (rows of column-parallel ones, input groups of row-parallel ones)."""
+    if name in COLUMN_PARALLEL or name in ROW_PARALLEL:
+        axis = 1 if name in COLUMN_PARALLEL else 2
+
+        def spec(a):
+            return None if a is None else stage_sharding(mesh, axis, a.ndim)
+
+        return Linear(spec(value.w), spec(value.d), spec(value.m), fmt=value.fmt)
+    return stage_sharding(mesh)
+
+
+def stage_kv_sharding(mesh: Mesh) -> NamedSharding:
+    """A stacked slab [layers, blocks, 32, 8 kv heads, 128]: layers over "pp", KV heads over
+    "tp"."""
+    return NamedSharding(mesh, P(PIPELINE, None, None, AXIS, None))
