@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -94,6 +95,7 @@ def dump(args) -> int:
     Path(args.dump).with_suffix(".ready").touch()  # loaded: the failure tests' cue
     if link is not None and not link.leader:
         distributed.follow(backend)
+        np.savez(args.dump, **_memory(backend))
         return 0
     if link is not None:
         link.start_keepalive()
@@ -104,10 +106,20 @@ def dump(args) -> int:
         if not all(np.array_equal(a, b) for a, b in zip(logits, again)):
             raise SystemExit("a repeated run's logits differ")
     np.savez(args.dump, tokens=np.asarray(chosen), q_rows=q.shape[rows], local_rows=local_rows,
-             **{f"step{i}": a for i, a in enumerate(logits)})
+             **_memory(backend), **{f"step{i}": a for i, a in enumerate(logits)})
     if link is not None:
         link.stop()
     return 0
+
+
+def _memory(backend: JaxBackend) -> dict:
+    """This process's weight bytes (its own shards) and KV bytes, and its peak RSS."""
+    def local(tree):
+        return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+                   for shard in leaf.addressable_shards)
+
+    return {"local_weight_bytes": local(backend.params), "local_kv_bytes": local(backend.kv),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def main(argv=None) -> int:
