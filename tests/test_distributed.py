@@ -317,3 +317,41 @@ def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_pa
         if follower.poll() is None:
             follower.kill()
         follower.wait()
+
+
+@pytest.mark.slow
+def test_serve_distributed_ends_when_a_follower_dies_mid_request(artifacts, monkeypatch,
+                                                                  tmp_path):
+    """SIGKILL of process 1 while process 0 streams a reply: process 0 (the server) exits
+    with status 3 within the bound instead of hanging its clients."""
+    from live_server import LiveServer
+
+    artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
+    for key, value in rank_env().items():
+        monkeypatch.setenv(key, value)
+    for key in [k for k in os.environ if "_proxy" in k.lower()]:
+        monkeypatch.delenv(key)
+    group = ("--backend", "jax", "--distributed", "--coordinator", f"127.0.0.1:{free_port()}",
+             "--num-processes", "2")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "kipp.cli", "serve", str(artifact), *group, "--process-id", "1",
+         "--kv-disk-mib", "0", *SERVE_ARGS], stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "follower.log", "w"))
+    try:
+        leader = LiveServer(artifact, *group, "--process-id", "0", *SERVE_ARGS)
+        try:
+            stream = leader.client().chat.completions.create(
+                model="kipp-synthetic/qwen3-tiny", max_tokens=400, temperature=0, stream=True,
+                messages=[{"role": "user", "content": "Tell a long story."}])
+            next(iter(stream))  # the reply has begun
+            follower.kill()
+            killed = time.monotonic()
+            assert leader.proc.wait(FAILURE_BOUND_S) == 3
+            assert time.monotonic() - killed < FAILURE_BOUND_S
+        finally:
+            if leader.proc.poll() is None:
+                leader.proc.kill()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.wait()
