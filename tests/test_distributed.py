@@ -131,6 +131,9 @@ def test_group_from_flags_then_jax_then_slurm():
     assert Group.resolve(env=env) == Group("h0:99", 4, 3, "JAX_* environment")
     slurm = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5"}
     assert Group.resolve(env=slurm) == Group(None, 8, 5, "SLURM environment")
+    # a flag given overrides its variable only
+    assert Group.resolve(process_id=0, env=env) == Group("h0:99", 4, 0,
+                                                         "JAX_* environment and flags")
 
 
 @pytest.mark.parametrize("args,env,problem", [
@@ -142,6 +145,7 @@ def test_group_from_flags_then_jax_then_slurm():
     ((None, None, None), {"JAX_COORDINATOR_ADDRESS": "h0:9", "JAX_NUM_PROCESSES": "two"},
      "JAX_NUM_PROCESSES must be an integer, not 'two'"),
     ((None, 2, 0), {}, "--coordinator HOST:PORT is missing"),
+    (("h0:99", None, 0), {}, "--num-processes and --process-id are both needed"),
 ])
 def test_bad_group_is_one_clear_error(args, env, problem):
     from kipp.cuda.distributed import Group

@@ -21,6 +21,7 @@ EXIT_GROUP_BROKEN, rather than hang or wait for the runtime's heartbeat abort.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -66,26 +67,33 @@ class Group:
     @classmethod
     def resolve(cls, coordinator: str | None = None, processes: int | None = None,
                 process_id: int | None = None, env=None) -> Group:
-        """Flags first, then JAX's variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-        JAX_PROCESS_ID), then SLURM's (SLURM_NTASKS, SLURM_PROCID; the coordinator is then
-        left to JAX's SLURM detection when not given). Raises KippError for a bad value."""
+        """Each value from its flag, else JAX's variables (JAX_COORDINATOR_ADDRESS,
+        JAX_NUM_PROCESSES, JAX_PROCESS_ID), else SLURM's (SLURM_NTASKS, SLURM_PROCID; the
+        coordinator is then left to JAX's SLURM detection). Raises KippError for a bad or
+        missing value, naming the flag."""
         env = os.environ if env is None else env
-        source = "flags"
-        if coordinator is None and processes is None and process_id is None:
-            if env.get("JAX_COORDINATOR_ADDRESS"):
-                source = "JAX_* environment"
-                coordinator = env["JAX_COORDINATOR_ADDRESS"]
-                processes = _int(env.get("JAX_NUM_PROCESSES"), "JAX_NUM_PROCESSES")
-                process_id = _int(env.get("JAX_PROCESS_ID"), "JAX_PROCESS_ID")
-            elif env.get("SLURM_NTASKS"):
-                source = "SLURM environment"
-                processes = _int(env.get("SLURM_NTASKS"), "SLURM_NTASKS")
-                process_id = _int(env.get("SLURM_PROCID"), "SLURM_PROCID")
+        flags = (coordinator, processes, process_id)
+        jax_env = (env.get("JAX_COORDINATOR_ADDRESS") or None,
+                   _int(env.get("JAX_NUM_PROCESSES"), "JAX_NUM_PROCESSES"),
+                   _int(env.get("JAX_PROCESS_ID"), "JAX_PROCESS_ID"))
+        slurm = (None, _int(env.get("SLURM_NTASKS"), "SLURM_NTASKS"),
+                 _int(env.get("SLURM_PROCID"), "SLURM_PROCID"))
+        values, sources = [], set()
+        for flag, from_jax, from_slurm in zip(flags, jax_env, slurm):
+            for value, source in ((flag, "flags"), (from_jax, "JAX_* environment"),
+                                  (from_slurm, "SLURM environment")):
+                if value is not None:
+                    values.append(value)
+                    sources.add(source)
+                    break
             else:
-                raise KippError("--distributed needs the group: give --coordinator HOST:PORT, "
-                                "--num-processes and --process-id, or set "
-                                "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID")
-        group = cls(coordinator, processes, process_id, source)
+                values.append(None)
+        if not sources:
+            raise KippError("--distributed needs the group: give --coordinator HOST:PORT, "
+                            "--num-processes and --process-id, or set "
+                            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID")
+        source = " and ".join(sorted(sources))
+        group = cls(*values, source)
         group.check()
         return group
 
@@ -102,8 +110,12 @@ class Group:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise KippError(f"--coordinator must be HOST:PORT, not {self.coordinator!r} "
                                 f"({self.source})")
-        if self.coordinator is None and self.source != "SLURM environment":
+        if "SLURM" in self.source:
+            return  # JAX's SLURM detection finds what is missing
+        if self.coordinator is None:
             raise KippError(f"--coordinator HOST:PORT is missing ({self.source})")
+        if self.processes is None or self.process_id is None:
+            raise KippError(f"--num-processes and --process-id are both needed ({self.source})")
 
 
 def _int(value: str | None, name: str) -> int | None:
@@ -250,7 +262,7 @@ class Link:
     def publish_address(self) -> None:
         client = _client()
         if client is not None:
-            with _suppressed():
+            with contextlib.suppress(Exception):
                 client.key_value_set(f"kipp/address/{self.process_id}",
                                      f"{_own_address()} pid {os.getpid()}")
 
@@ -284,7 +296,7 @@ class Link:
             return f"coordinator {self.coordinator}"
         client = _client()
         if client is not None:
-            with _suppressed():
+            with contextlib.suppress(Exception):
                 value = client.key_value_try_get(f"kipp/address/{process_id}")
                 if value:
                     return value
@@ -315,16 +327,8 @@ def _client():
 def _shutdown() -> None:
     import jax
 
-    with _suppressed():
+    with contextlib.suppress(Exception):
         jax.distributed.shutdown()
-
-
-class _suppressed:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, Exception)
 
 
 def _own_address() -> str:
