@@ -128,18 +128,25 @@ class JaxBackend(Backend):
             from kipp.cuda import sharding
 
             mesh = self.mesh
-            if self.pipelined:
-                self._load_stages(artifact, mesh)
-                return
-            if self.link is not None:  # each process places only its own shards
+            replicated = sharding.replicated(mesh)
+            if self.pipelined:  # stacked layers and slab split by layer ranges over stages
+                per_layer = set(layout.PROJECTIONS + layout.NORMS)
+
+                def place(name, value):  # each process places only its own shards
+                    return sharding.put(value, sharding.stage_leaf_sharding(name, value, mesh)
+                                        if name in per_layer else replicated)
+                kv_sharding = sharding.stage_kv_sharding(mesh)
+            elif self.link is not None:  # each process places only its own shards
                 def place(name, value):
                     return sharding.put(value, sharding.leaf_sharding(name, value, mesh))
+                kv_sharding = sharding.kv_sharding(mesh)
             else:
                 def place(name, value):
                     return layout.to_device(
                         value, shardings=sharding.leaf_sharding(name, value, mesh))
-            self.params = layout.place_weights(artifact, self.layout, place, self.plan.bits)
-            kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
+                kv_sharding = sharding.kv_sharding(mesh)
+            self.params = layout.place_weights(artifact, self.layout, place, self.plan.bits,
+                                               self.pipelined)
         else:
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
                 layout.to_device(value, self.device)), self.plan.bits, self.stacked)
@@ -152,28 +159,6 @@ class JaxBackend(Backend):
         self._signature = (self._ops(), _signature(self.params), _signature(self.kv),
                            _signature(self.rope), tuple(sorted(self.compiler_options.items())))
         memory.trim_heap()  # the host copies and the packing's scratch, freed: back to the OS
-
-    def _load_stages(self, artifact: Artifact, mesh) -> None:
-        """Pipeline parallel: every stacked layer tensor and the slab split by layer ranges
-        over the stages (each process placing only its own), the rest replicated."""
-        from kipp.cuda import sharding
-
-        replicated = sharding.replicated(mesh)
-        per_layer = set(layout.PROJECTIONS + layout.NORMS)
-        self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-            sharding.put(value, sharding.stage_leaf_sharding(name, value, mesh)
-                         if name in per_layer else replicated)),
-            self.plan.bits, stacked=True)
-        self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
-                                            self.plan.platform, True,
-                                            sharding.stage_kv_sharding(mesh))
-        self.kv = self._kv_zeros()
-        cos, sin = rope_tables(np.arange(self.rope_positions), self.entry.rope_theta)
-        self.rope = sharding.put((cos, sin), replicated)
-        self._replicated = replicated
-        self._signature = (self._ops(), _signature(self.params), _signature(self.kv),
-                           _signature(self.rope), tuple(sorted(self.compiler_options.items())))
-        memory.trim_heap()
 
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
