@@ -56,17 +56,19 @@ def compare_with_single_device(artifact_path, devices: int = 2, weight_layout: s
 
 def greedy_logits(backend: JaxBackend, prompt_len: int = 40, decode_steps: int = 3):
     """A prefill of `prompt_len` seeded random tokens, then `decode_steps` greedy decode
-    steps on `backend`: (logits of every step, the greedy tokens)."""
+    steps on `backend`: (logits of every step, the greedy tokens, each step's seconds)."""
     table = (5, 2, 7)
     tokens = tuple(int(t) for t in np.random.default_rng(0).integers(0, 151_643, prompt_len))
     items = [EvalItem(tokens, 0, table, prompt_len)]
-    logits, chosen = [], []
+    logits, chosen, seconds = [], [], []
     for step in range(decode_steps + 1):
+        start = time.perf_counter()
         [out] = backend.eval(items)
+        seconds.append(time.perf_counter() - start)
         logits.append(out)
         chosen.append(int(out[-1].argmax()))
         items = [EvalItem((chosen[-1],), prompt_len + step, table)]
-    return logits, chosen
+    return logits, chosen, seconds
 
 
 def dump(args) -> int:
@@ -99,14 +101,20 @@ def dump(args) -> int:
         return 0
     if link is not None:
         link.start_keepalive()
-    logits, chosen = greedy_logits(backend, args.prompt_len, args.decode_steps)
+    logits, chosen, seconds = greedy_logits(backend, args.prompt_len, args.decode_steps)
     time.sleep(args.hold_s)  # idle with the group formed: the keep-alive's test
     for _ in range(args.repeat):  # the same run again: the failure tests' busy group
-        again, _ = greedy_logits(backend, args.prompt_len, args.decode_steps)
+        again, _, _ = greedy_logits(backend, args.prompt_len, args.decode_steps)
         if not all(np.array_equal(a, b) for a, b in zip(logits, again)):
             raise SystemExit("a repeated run's logits differ")
     np.savez(args.dump, tokens=np.asarray(chosen), q_rows=q.shape[rows], local_rows=local_rows,
-             **_memory(backend), **{f"step{i}": a for i, a in enumerate(logits)})
+             step_seconds=np.asarray(seconds), **_memory(backend),
+             **{f"step{i}": a for i, a in enumerate(logits)})
+    # the first call of each shape compiles: the decode rate is the later steps' median
+    later = seconds[2:] or seconds[1:]
+    print(json.dumps({"describe": backend.describe(), "first_call_s": round(seconds[0], 3),
+                      "decode_ms_median": round(1e3 * float(np.median(later)), 3)
+                      if later else None}))
     if link is not None:
         link.stop()
     return 0
