@@ -95,7 +95,8 @@ def single_run(artifact, tmp_path, devices, *extra):
 
 
 def steps(npz) -> list[np.ndarray]:
-    return [npz[f"step{i}"] for i in range(len([k for k in npz.files if k.startswith("step")]))]
+    return [npz[f"step{i}"] for i in range(len([k for k in npz.files
+                                                if k.startswith("step") and k[4:].isdigit()]))]
 
 
 def compare_group(artifact, tmp_path, *extra):
