@@ -88,7 +88,13 @@ def _describe(path) -> None:
 def _load(args):
     from kipp.model import load
 
-    model = load(args.model, backend=args.backend, scheme=args.scheme,
+    distributed = None
+    if getattr(args, "distributed", False):
+        from kipp.cuda.distributed import Group
+
+        distributed = Group.resolve(args.coordinator, args.num_processes, args.process_id)
+    model = load(args.model, backend=args.backend, scheme=args.scheme, distributed=distributed,
+                 parallel=getattr(args, "parallel", "tensor"),
                  kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
                  kv_scheme=getattr(args, "kv_scheme", "bf16"),
                  weight_memory=getattr(args, "weight_memory", "auto"),
@@ -280,7 +286,6 @@ def _read_turn() -> str | None:
 
 
 def _serve(args) -> None:
-    from kipp.http import serve
     from kipp.http.app import Access
 
     api_key = args.api_key or (os.environ.get(args.api_key_env) if args.api_key_env else None)
@@ -292,6 +297,22 @@ def _serve(args) -> None:
     access = Access(api_key=api_key, protect_info=args.protect_health,
                     cors_origins=tuple(args.cors_origin or ()))
     model = _load(args)
+    link = getattr(model.backend, "link", None)
+    if link is not None and not link.leader:  # a follower: runs process 0's steps, no HTTP
+        from kipp.cuda.distributed import follow
+
+        follow(model.backend)
+        return
+    try:
+        _serve_model(model, args, access)
+    finally:
+        if link is not None:
+            link.stop()  # the followers leave their loop; the group shuts down
+
+
+def _serve_model(model, args, access) -> None:
+    from kipp.http import serve
+
     serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           prefill_chunk=args.prefill_chunk, threads=args.threads,
           served_names=tuple(args.served_model_name or ()),
@@ -580,6 +601,18 @@ def _add_serve_command(commands) -> None:
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="allow browser requests from this origin (repeat; '*' for any); "
                    "off by default")
+    group = p.add_argument_group("distributed (--backend jax; docs/distributed.md)")
+    group.add_argument("--distributed", action="store_true", help="one of several processes "
+                       "holding the model together; process 0 serves HTTP")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address for "
+                       "the group (default: JAX_COORDINATOR_ADDRESS, or SLURM's)")
+    group.add_argument("--num-processes", type=_at_least(1), help="processes in the group "
+                       "(default: JAX_NUM_PROCESSES or SLURM_NTASKS)")
+    group.add_argument("--process-id", type=_at_least(0), help="this process's rank "
+                       "(default: JAX_PROCESS_ID or SLURM_PROCID)")
+    group.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
+                       help="tensor: every layer split over every device; pipeline: a range "
+                       "of the layers per process (hosts on a slow link)")
     p.set_defaults(run=_serve)
 
 

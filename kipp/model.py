@@ -46,6 +46,7 @@ from kipp.text.tokenizer import Tokenizer
 
 KV_SCHEMES = ("bf16", "q8_0")  # the KV slab's storage format (see kipp.formats.kvquant for q8_0)
 JAX_DEFAULT_KV_TOKENS = 8192
+PARALLEL = ("tensor", "pipeline")  # how a distributed group splits the model
 
 
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
@@ -53,7 +54,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_scheme: str = "bf16", kv_mib: float | None = None,
          weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
          draft_tokens: int | None = None, kv_cache_dir: str | Path | None = None,
-         kv_disk_mib: float | None = None, adapters: dict | None = None) -> "Model":
+         kv_disk_mib: float | None = None, adapters: dict | None = None, distributed=None,
+         parallel: str = "tensor") -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -70,8 +72,18 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `kv_disk_mib` MiB (default: a quarter of the free disk); a later process reuses them.
     `adapters` {"name": folder} loads LoRA adapters (PEFT or mlx-lm, kipp.lora.adapter) trained
     on this checkpoint; `generate(..., adapter="name")` and `session(adapter="name")` use one.
+    `distributed` (backend "jax"; True: the group from JAX's or SLURM's environment, or a
+    kipp.cuda.distributed.Group) joins a group of processes that hold the model together
+    (docs/distributed.md): process 0's Model serves; on every other process hand the Model to
+    kipp.cuda.distributed.follow, which returns when process 0 stops the group. `parallel`
+    "tensor" splits every layer over every device; "pipeline" gives each process a range of
+    the layers (tensor parallel over its own devices), for hosts joined by a slow link.
     Every argument is checked before any download, conversion or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
+    if parallel not in PARALLEL:
+        raise KippError(f"unknown parallel {parallel!r}; choose from {', '.join(PARALLEL)}")
+    # the group is joined before JAX's first call
+    link = _join_group(distributed, backend, draft, kv_cache_dir, adapters)
     _check_disk_arguments(kv_cache_dir, kv_disk_mib)
     _check_adapter_arguments(adapters)
     check_weight_memory(weight_memory)
@@ -81,6 +93,14 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if kv_mib is not None:
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
+    if link is not None:
+        import jax
+
+        from kipp.cuda import sharding
+
+        mesh = (sharding.make_pipeline_mesh(tensor=jax.local_device_count())
+                if parallel == "pipeline" else sharding.make_mesh())
+        options.update(mesh=mesh, link=link)
     if weight_memory != "auto":
         options["weight_memory"] = weight_memory
     # the tokenizer first: building its tables takes ~40 MiB of scratch at Qwen3's vocabulary,
@@ -96,6 +116,8 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     model = Model(artifact, backend, tokenizer)
     for adapter in loaded:
         model.backend.add_adapter(adapter)
+    if link is not None and link.leader:
+        link.start_keepalive()
     if draft is not None:
         if not isinstance(draft, Model):
             draft = load(draft, choice.name, scheme, kv_tokens, progress, kv_scheme, kv_mib,
@@ -104,6 +126,24 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if kv_cache_dir is not None:
         model.attach_kv_disk(kv_cache_dir, kv_disk_mib)
     return model
+
+
+def _join_group(distributed, backend: str, draft, kv_cache_dir, adapters):
+    """The distributed group's link (joined), or None when `distributed` is not asked."""
+    if distributed is None or distributed is False:
+        return None
+    if backend != "jax":
+        raise KippError(f"distributed needs backend='jax' (got {backend!r})")
+    if draft is not None or kv_cache_dir is not None or adapters:
+        raise KippError("distributed does not take a draft model, kv_cache_dir or adapters yet")
+    from kipp.cuda import distributed as group_runtime
+
+    group = group_runtime.Group.resolve() if distributed is True else distributed
+    if not isinstance(group, group_runtime.Group):
+        raise KippError("distributed must be True or a kipp.cuda.distributed.Group, "
+                        f"not {distributed!r}")
+    group.check()
+    return group_runtime.join(group)
 
 
 def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:

@@ -99,24 +99,30 @@ def unavailable_reason() -> str | None:
     return None
 
 
-_TOPOLOGIES: dict[int, list] = {}
+_TOPOLOGIES: dict = {}  # devices(count) or devices(count, hosts)
 
 
-def devices(count: int = 1) -> list:
-    """`count` compile-only H200 devices of one host (an abstract node of up to 8 GPUs)."""
-    if count not in _TOPOLOGIES:
+def devices(count: int = 1, hosts: int = 1) -> list:
+    """`count` compile-only H200 devices of one host (an abstract node of up to 8 GPUs), or
+    of `hosts` hosts with count / hosts each (in host order: a device's process_index is its
+    host)."""
+    if count % hosts:
+        raise ValueError(f"{count} devices do not split over {hosts} hosts")
+    key = count if hosts == 1 else (count, hosts)
+    if key not in _TOPOLOGIES:
         from jax.experimental import topologies
 
         host_setup()
         try:
             topology = topologies.get_topology_desc(
-                platform="cuda", target_config=H200_TARGET_CONFIG, topology=f"1x1x{count}")
+                platform="cuda", target_config=H200_TARGET_CONFIG,
+                topology=f"1x{hosts}x{count // hosts}")
         except (NotImplementedError, RuntimeError) as e:
             raise AotUnavailable(
                 f"no CUDA topology ({str(e).splitlines()[0]}): the CUDA plugin did not register; "
                 "on a machine without a GPU, start JAX with JAX_PLATFORMS=cpu") from None
-        _TOPOLOGIES[count] = list(topology.devices)
-    return _TOPOLOGIES[count]
+        _TOPOLOGIES[key] = list(topology.devices)
+    return _TOPOLOGIES[key]
 
 
 @contextlib.contextmanager
@@ -182,10 +188,11 @@ class Build:
         return [k for k in self.kernels if k.name.startswith(prefix)]
 
 
-def compile_for_h200(fn, *args, report: bool = True) -> Build:
+def compile_for_h200(fn, *args, report: bool = True, xla_kernels: bool = False) -> Build:
     """Lower and compile `fn` (jitted, or a plain function) for the H200 with `args` (arrays
     or ShapeDtypeStructs; unsharded ones are placed on the abstract H200). Raises whatever the
-    lowering, Triton, LLVM or ptxas raise."""
+    lowering, Triton, LLVM or ptxas raise. `xla_kernels`: the report covers XLA's own fused
+    kernels too (the twins' steps have no Pallas kernel), not only the Pallas ones."""
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     args = jax.tree.map(_placed, args)
     meshes = {a.sharding.mesh for a in jax.tree.leaves(args)
@@ -201,7 +208,7 @@ def compile_for_h200(fn, *args, report: bool = True) -> Build:
         options = {"xla_dump_to": dump, "xla_dump_emitter_re": "ptx"} if report else {}
         compiled = lowered.compile(compiler_options=options)
         seconds = time.perf_counter() - start
-        kernels = _kernel_stats(Path(dump)) if report else []
+        kernels = _kernel_stats(Path(dump), xla_kernels) if report else []
     return Build(compiled, kernels, seconds)
 
 
@@ -223,8 +230,9 @@ _LAUNCH = re.compile(r"kCustomKernel.*?(\S+) grid: \[(\d+), (\d+), (\d+)\] "
                      r"threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
 
 
-def _kernel_stats(dump: Path) -> list[KernelStats]:
-    """Per Pallas kernel of the dumped build: ptxas -v on its PTX plus its launch."""
+def _kernel_stats(dump: Path, xla_kernels: bool = False) -> list[KernelStats]:
+    """Per Pallas kernel (and with `xla_kernels`, per XLA fusion too) of the dumped build:
+    ptxas -v on its PTX plus its launch."""
     pallas = set()  # XLA's own fusions launch as custom kernels too: keep the Triton calls
     for path in dump.glob("*after_optimizations.txt"):
         for line in path.read_text().splitlines():
@@ -239,11 +247,12 @@ def _kernel_stats(dump: Path) -> list[KernelStats]:
     stats = []
     for path in sorted(dump.glob("*.ptx")):
         ptx = path.read_text()
-        if not any(name in pallas for name, _ in _entries(ptx)):
+        wanted = launches if xla_kernels else pallas
+        if not any(name in wanted for name, _ in _entries(ptx)):
             continue  # only XLA's own kernels: no ptxas run for them
         usage = _ptxas_usage(path)
         for name, body in _entries(ptx):
-            if name not in launches or name not in pallas:
+            if name not in launches or name not in wanted:
                 continue
             grid, threads, shared = launches[name]
             regs, stores, loads, stack = usage[name]

@@ -12,7 +12,8 @@ tensor in the planned layout (kipp.cuda.layout) and the KV slab allocated once
 runs one compiled step per shape bucket with the slab donated (updated in place). A Pallas
 kernel that fails its probe, or the first step, is replaced by its twin with one warning
 (kipp.probe; fallback=False or KIPP_KERNEL_FALLBACK=0 raise instead). `mesh`: tensor parallel
-over a one-axis ("tp") jax.sharding.Mesh (kipp.cuda.sharding), on the twins.
+over a one-axis ("tp") jax.sharding.Mesh (kipp.cuda.sharding), on the twins; `link`: that mesh
+spans several processes (kipp.cuda.distributed): process 0 broadcasts each step to the others.
 """
 
 from __future__ import annotations
@@ -62,13 +63,26 @@ class JaxBackend(Backend):
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  weight_memory: str = "auto", weight_layout: str | None = None, mesh=None,
                  device=None, max_round_tokens: int = MAX_ROUND_TOKENS,
-                 kv_scheme: str = "bf16", fallback: bool | None = None):
+                 kv_scheme: str = "bf16", fallback: bool | None = None, link=None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
         self.entry, self.scheme, self.kv_scheme = entry, artifact.scheme, kv_scheme
         self.device = device or (None if mesh is not None else jax.devices()[0])
         self.mesh = mesh
+        self.link = link  # kipp.cuda.distributed.Link: the mesh spans processes
+        if link is not None:
+            if mesh is None:
+                raise ValueError("a distributed JaxBackend needs a mesh over every process")
+            self.supports_kv_io = False  # the slab's blocks live in several processes
+        from kipp.cuda import sharding
+
+        self.pipelined = sharding.pipelined(mesh)  # mesh axis "pp": layer ranges in stages
+        if self.pipelined:
+            self.supports_kv_io = False  # the slab's layers live on several devices
+            if entry.layers % mesh.shape[sharding.PIPELINE]:
+                raise ValueError(f"{entry.layers} layers do not split into "
+                                 f"{mesh.shape[sharding.PIPELINE]} equal pipeline stages")
         facts = plan.gather(self.device, mesh)
         chosen = None if plan.explicit_layout(weight_layout) else memory.choose_weight_memory(
             weight_memory, gpu=facts.gpu, float32_bytes=layout.float32_bytes(artifact),
@@ -83,6 +97,7 @@ class JaxBackend(Backend):
                                                  self.plan.layout)
         self.cpu_attention, self.stacked = self.plan.cpu_attention, self.plan.stacked
         self._dot = cpu_stored.dot_mode()  # $KIPP_JAX_CPU_DOT at load: part of the program key
+        self.stacked = self.stacked or self.pipelined  # the stages split the stacked layers
         self.compiler_options = dict(LEAN_CPU_COMPILE) if self.plan.lean_compile else {}
         self.fallback = probe.fallback_enabled(fallback)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
@@ -116,10 +131,25 @@ class JaxBackend(Backend):
             from kipp.cuda import sharding
 
             mesh = self.mesh
-            self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
-                layout.to_device(value, shardings=sharding.leaf_sharding(name, value, mesh))),
-                self.plan.bits)
-            kv_sharding, replicated = sharding.kv_sharding(mesh), sharding.replicated(mesh)
+            replicated = sharding.replicated(mesh)
+            if self.pipelined:  # stacked layers and slab split by layer ranges over stages
+                per_layer = set(layout.PROJECTIONS + layout.NORMS)
+
+                def place(name, value):  # each process places only its own shards
+                    return sharding.put(value, sharding.stage_leaf_sharding(name, value, mesh)
+                                        if name in per_layer else replicated)
+                kv_sharding = sharding.stage_kv_sharding(mesh)
+            elif self.link is not None:  # each process places only its own shards
+                def place(name, value):
+                    return sharding.put(value, sharding.leaf_sharding(name, value, mesh))
+                kv_sharding = sharding.kv_sharding(mesh)
+            else:
+                def place(name, value):
+                    return layout.to_device(
+                        value, shardings=sharding.leaf_sharding(name, value, mesh))
+                kv_sharding = sharding.kv_sharding(mesh)
+            self.params = layout.place_weights(artifact, self.layout, place, self.plan.bits,
+                                               self.pipelined)
         else:
             self.params = layout.place_weights(artifact, self.layout, lambda name, value: (
                 layout.to_device(value, self.device)), self.plan.bits, self.stacked)
@@ -128,7 +158,7 @@ class JaxBackend(Backend):
         self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
                                             self.plan.platform, self.stacked, kv_sharding)
         self.kv = self._kv_zeros()
-        self.rope = jax.device_put((cos, sin), replicated)
+        self.rope = self._put((cos, sin), replicated)
         self._replicated = replicated
         self._signature = (self._ops(), _signature(self.params), _signature(self.kv),
                            _signature(self.rope), tuple(sorted(self.compiler_options.items())))
@@ -136,6 +166,10 @@ class JaxBackend(Backend):
 
     def describe(self) -> str:
         where = "mesh of %d" % self.mesh.size if self.mesh is not None else self.device.platform
+        if self.pipelined:
+            where = f"pipeline of {self.mesh.size} stages"
+        if self.link is not None:
+            where += f" over {self.link.processes} processes"
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
         kernels = f"; {self.kernels.summary()}" if self.choice.kernels else ""
         weights = ("f32 panel weights, Kipp CPU matmul" if self.layout == "panels"
@@ -229,9 +263,14 @@ class JaxBackend(Backend):
         for pieces in rounds.plan_rounds(items, self.max_round_tokens):
             bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks,
                                                       self._adapter_slots)
-            logits, self.kv = self._run(self._program(bucket, arrays), arrays)
+            program = self._program(bucket, arrays)
+            if self.link is not None:  # the followers run the same step on the same inputs
+                logits, self.kv = self.link.step(bucket, arrays,
+                                                 lambda: self._run(program, arrays))
+            else:
+                logits, self.kv = self._run(program, arrays)
             if dests:
-                host = np.asarray(logits)  # [R, vocab]; rows past len(dests) are padding
+                host = _to_host(logits)  # [R, vocab]; rows past len(dests) are padding
                 for row, (item, index) in enumerate(dests):
                     outputs[item][index] = host[row]
         return outputs
@@ -240,7 +279,7 @@ class JaxBackend(Backend):
         """(logits, KV) of one compiled step. On a CPU the step runs to its end inside
         kipp.memory.large_blocks_returned, so XLA's temporaries (host memory there) go back to
         the OS when freed; a GPU's steps are not waited on here."""
-        args = (self.params, self.kv, self.rope, jax.device_put(arrays, self._replicated))
+        args = (self.params, self.kv, self.rope, self._put(arrays, self._replicated))
         if not self.plan.cpu_steps:
             return program(*args)
         with memory.large_blocks_returned():
@@ -308,13 +347,20 @@ class JaxBackend(Backend):
         what = f"kipp: compiling the jax step {bucket} (first call of this shape)"
         with step_bar(what, self.progress):
             program = _compile_with(step.lower(self.params, self.kv, self.rope,
-                                               jax.device_put(arrays, self._replicated)),
+                                               self._put(arrays, self._replicated)),
                                     self.compiler_options)
         seconds = time.perf_counter() - start
         memory.trim_heap()  # the compiler's scratch, freed: back to the OS
         self.compile_log.append((bucket, seconds))
         log.info("compiled step %s in %.2f s (%s)", bucket, seconds, self.choice.label)
         return program
+
+    def add_adapter(self, adapter) -> None:
+        # the pipeline's stages and the followers of a group never see the stacked adapters
+        if self.link is not None or self.pipelined:
+            raise EvalError("LoRA adapters are not built for a JAX backend split over "
+                            "processes or pipeline stages; load the adapter on one process")
+        super().add_adapter(adapter)
 
     def _adapters_changed(self) -> None:
         """The loaded adapters, stacked (kipp.lora.apply.stack_adapters) into params["lora"]
@@ -328,13 +374,29 @@ class JaxBackend(Backend):
         self._programs.clear()
         self._signature = (self._signature[0], _signature(self.params)) + self._signature[2:]
 
+    def _put(self, tree, where):
+        if self.link is None and not self.pipelined:
+            return jax.device_put(tree, where)
+        from kipp.cuda import sharding
+
+        return sharding.put(tree, where)
+
     def _ops(self) -> forward.Ops:
         # no probed kernel left running: nothing runs a kernel, probed or not
         kernels = self.choice.kernels and bool(self.kernels.running)
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back),
                            cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored,
-                           cpu_dot=self._dot.value)
+                           cpu_dot=self._dot.value,
+                           pipeline=self.mesh if self.pipelined else None)
+
+
+def _to_host(logits) -> np.ndarray:
+    if logits.is_fully_addressable:
+        return np.asarray(logits)
+    from kipp.cuda import sharding
+
+    return sharding.to_host(logits)
 
 
 def _io_chunks(block_ids: Sequence[int]) -> list[np.ndarray]:

@@ -43,6 +43,7 @@ class Ops:
     cpu_attention: bool = False  # twins' decode attention on Kipp's CPU kernel (one CPU device)
     cpu_stored: bool = False  # twins' stored-format projections on Kipp's CPU matmul (one CPU)
     cpu_dot: str = "f32"  # that matmul's dot (kipp.cuda.cpu.stored_matmul.Dot), fixed at load
+    pipeline: object = None  # a Mesh with a "pp" axis: stacked layers in stages (_pipeline)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False, layer=None) -> jax.Array:
         """x @ w^T; `layer`: w is stacked over layers and read at that layer by Kipp's CPU
@@ -109,39 +110,81 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
     """One round: (logits [R, vocab] float32, the updated KV slab)."""
     x = _embed(params["embed"], r.tokens)  # [T, hidden]
     cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
-    lora = params.get("lora")  # LoRA adapters: {projection: (A, B)} stacked [layers, slots, ...]
-    if lora is not None:
-        slots = jnp.arange(next(iter(lora.values()))[0].shape[1])
-        lora = dict(lora, rows=(r.adapter_slots[:, None] == slots).astype(jnp.float32))
-
-    def lora_at(i):  # layer i's adapters and the rows' one-hot slots [T, S]
-        if lora is None:
-            return None
-        return {name: (w if name == "rows" else (w[0][i], w[1][i])) for name, w in lora.items()}
-
-    if isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
-        layers = params["layers"]
-
-        def body(carry, i):
-            x, k_cache, v_cache = carry
-            # Kipp's CPU matmuls index a stacked weight themselves; the rest is sliced
-            p = {name: w if ops.reads_stacked(w) else jax.tree.map(lambda a: a[i], w)
-                 for name, w in layers.items()}
-            return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i,
-                          lora=lora_at(i)), None
-
-        count = jax.tree.leaves(layers)[0].shape[0]
-        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, *kv), jnp.arange(count))
-        new_kv = (k_cache, v_cache)
+    lora = _lora_rows(params.get("lora"), r)
+    if isinstance(params["layers"], dict) and ops.pipeline is not None:
+        x, new_kv = _pipeline(x, params["layers"], kv, cos, sin, r, ops)
+    elif isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
+        x, new_kv = _scanned(x, params["layers"], kv, cos, sin, r, ops, lora)
     else:
         new_kv = []
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(params["layers"], kv)):
             x, k_cache, v_cache = _layer(x, layer, k_cache, v_cache, cos, sin, r, ops,
-                                         lora=lora_at(i))
+                                         lora=_lora_at(lora, i))
             new_kv.append((k_cache, v_cache))
         new_kv = tuple(new_kv)
     h = rms_norm(x[r.logit_rows], params["output_norm"])  # [R, hidden]
     return ops.linear(h, _head(params), head=True), new_kv
+
+
+def _lora_rows(lora, r: RoundArrays):
+    """LoRA adapters {projection: (A, B)} stacked [layers, slots, ...], with "rows": each
+    token's one-hot slot [T, S] (all zero: the base weights); None without adapters."""
+    if lora is None:
+        return None
+    slots = jnp.arange(next(iter(lora.values()))[0].shape[1])
+    return dict(lora, rows=(r.adapter_slots[:, None] == slots).astype(jnp.float32))
+
+
+def _lora_at(lora, i):
+    """Layer i's adapters and the rows' one-hot slots, or None."""
+    if lora is None:
+        return None
+    return {name: (w if name == "rows" else (w[0][i], w[1][i])) for name, w in lora.items()}
+
+
+def _scanned(x, layers, kv, cos, sin, r: RoundArrays, ops: Ops, lora=None):
+    """Every stacked layer in order, one layer's code scanned: (x, the updated (K, V))."""
+    def body(carry, i):
+        x, k_cache, v_cache = carry
+        # Kipp's CPU matmuls index a stacked weight themselves; the rest is sliced
+        p = {name: w if ops.reads_stacked(w) else jax.tree.map(lambda a: a[i], w)
+             for name, w in layers.items()}
+        return _layer(x, p, k_cache, v_cache, cos, sin, r, ops, layer=i,
+                      lora=_lora_at(lora, i)), None
+
+    count = jax.tree.leaves(layers)[0].shape[0]
+    (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, *kv), jnp.arange(count))
+    return x, (k_cache, v_cache)
+
+
+def _pipeline(x, layers, kv, cos, sin, r: RoundArrays, ops: Ops):
+    """Pipeline parallel: the stacked layers and slab split into contiguous ranges over the
+    mesh's "pp" axis (kipp.cuda.sharding.PIPELINE). Stage s runs its range when the hidden
+    state reaches it (a `cond`: the other stages stream no weights meanwhile), then
+    `ppermute` hands the state to stage s + 1; the last stage's output is shared with every
+    stage (a psum of it and zeros: exact) for the final norm and head."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ops.pipeline
+    stages = mesh.shape["pp"]
+
+    def stage(x, layers, kv, cos, sin, r):
+        me = jax.lax.axis_index("pp")
+
+        def run(x, kv):
+            return _scanned(x, layers, kv, cos, sin, r, ops)
+
+        for s in range(stages):
+            x, kv = jax.lax.cond(me == s, run, lambda x, kv: (x, kv), x, kv)
+            if s < stages - 1:
+                x = jax.lax.ppermute(x, "pp", [(j, j + 1) for j in range(stages - 1)])
+        x = jax.lax.psum(jnp.where(me == stages - 1, x, jnp.zeros_like(x)), "pp")
+        return x, kv
+
+    stacked = jax.tree.map(lambda _: P("pp"), (layers, kv))
+    return jax.shard_map(stage, mesh=mesh, axis_names={"pp"}, check_vma=False,
+                         in_specs=(P(), stacked[0], stacked[1], P(), P(), P()),
+                         out_specs=(P(), stacked[1]))(x, layers, kv, cos, sin, r)
 
 
 def _embed(table, tokens: jax.Array) -> jax.Array:

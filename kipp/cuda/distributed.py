@@ -1,0 +1,352 @@
+"""Several JAX processes as one model: JAX's multi-controller runtime, nothing home-made.
+
+    group = distributed.Group.resolve()        # flags, else JAX_* or SLURM variables
+    link = distributed.join(group)             # jax.distributed.initialize, bounded
+    backend = JaxBackend(artifact, 64, mesh=sharding.make_mesh(), link=link)
+    if not link.leader:
+        distributed.follow(backend)            # runs until process 0 stops the group
+
+Every process maps the artifact and places only its own shards (kipp.cuda.sharding.put); the
+mesh spans every process's devices, so one step's program is the same everywhere and XLA's
+SPMD partitioner inserts the collectives (gloo on CPUs, NCCL on GPUs). Process 0 (the leader)
+runs the scheduler: before each step it broadcasts the step's shape and inputs with
+`multihost_utils.broadcast_one_to_all`, and the followers run the same step on them. While
+the leader is idle it broadcasts a keep-alive every KEEPALIVE_S, so a follower never sits in a
+collective long and a dead peer is seen within seconds.
+
+A peer that dies or never joins: every survivor writes one line naming the lost process and
+its address (published in the coordinator's key-value store at join) and exits with
+EXIT_GROUP_BROKEN, rather than hang or wait for the runtime's heartbeat abort.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kipp.errors import KippError
+
+log = logging.getLogger("kipp.cuda")
+
+EXIT_GROUP_BROKEN = 3  # the exit status of a process whose group lost a member
+KEEPALIVE_S = 1.0  # the idle leader's broadcast interval
+JOIN_TIMEOUT_S = 60  # how long jax.distributed.initialize waits for every process
+JOIN_MARGIN_S = 10  # the runtime's own join timeout is this much later than Kipp's
+HEARTBEAT_S = 10  # the coordination service's heartbeat timeout (its own abort comes later)
+SILENCE_S = 30.0  # a follower that hears nothing this long gives up (the leader is stuck)
+HEADER = 8  # int32 words of a step's header: command, then the Bucket's five fields
+
+
+class Command(enum.IntEnum):
+    """What the leader's header tells the followers to do."""
+
+    IDLE = 0  # a keep-alive: nothing to run
+    STEP = 1  # a Bucket and its RoundArrays follow; run that step
+    STOP = 2  # leave the follower loop; the group shuts down
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where the group's coordinator is, how many processes it has and which one this is."""
+
+    coordinator: str | None  # host:port of process 0's coordination service
+    processes: int | None
+    process_id: int | None
+    source: str = "flags"  # where the values came from, for messages
+
+    @classmethod
+    def resolve(cls, coordinator: str | None = None, processes: int | None = None,
+                process_id: int | None = None, env=None) -> Group:
+        """Each value from its flag, else JAX's variables (JAX_COORDINATOR_ADDRESS,
+        JAX_NUM_PROCESSES, JAX_PROCESS_ID), else SLURM's (SLURM_NTASKS, SLURM_PROCID; the
+        coordinator is then left to JAX's SLURM detection). Raises KippError for a bad or
+        missing value, naming the flag."""
+        env = os.environ if env is None else env
+        flags = (coordinator, processes, process_id)
+        jax_env = (env.get("JAX_COORDINATOR_ADDRESS") or None,
+                   _int(env.get("JAX_NUM_PROCESSES"), "JAX_NUM_PROCESSES"),
+                   _int(env.get("JAX_PROCESS_ID"), "JAX_PROCESS_ID"))
+        slurm = (None, _int(env.get("SLURM_NTASKS"), "SLURM_NTASKS"),
+                 _int(env.get("SLURM_PROCID"), "SLURM_PROCID"))
+        values, sources = [], set()
+        for flag, from_jax, from_slurm in zip(flags, jax_env, slurm):
+            for value, source in ((flag, "flags"), (from_jax, "JAX_* environment"),
+                                  (from_slurm, "SLURM environment")):
+                if value is not None:
+                    values.append(value)
+                    sources.add(source)
+                    break
+            else:
+                values.append(None)
+        if not sources:
+            raise KippError("--distributed needs the group: give --coordinator HOST:PORT, "
+                            "--num-processes and --process-id, or set "
+                            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID")
+        source = " and ".join(sorted(sources))
+        group = cls(*values, source)
+        group.check()
+        return group
+
+    def check(self) -> None:
+        if self.processes is not None and self.processes < 1:
+            raise KippError(f"--num-processes must be at least 1, not {self.processes} "
+                            f"({self.source})")
+        if self.process_id is not None and not (
+                0 <= self.process_id < (self.processes or self.process_id + 1)):
+            raise KippError(f"--process-id {self.process_id} is not in 0..{self.processes - 1}"
+                            f" ({self.source})")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise KippError(f"--coordinator must be HOST:PORT, not {self.coordinator!r} "
+                                f"({self.source})")
+        if "SLURM" in self.source:
+            return  # JAX's SLURM detection finds what is missing
+        if self.coordinator is None:
+            raise KippError(f"--coordinator HOST:PORT is missing ({self.source})")
+        if self.processes is None or self.process_id is None:
+            raise KippError(f"--num-processes and --process-id are both needed ({self.source})")
+
+
+def _int(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise KippError(f"{name} must be an integer, not {value!r}") from None
+
+
+def join(group: Group, *, timeout_s: int = JOIN_TIMEOUT_S,
+         heartbeat_s: int = HEARTBEAT_S) -> Link:
+    """jax.distributed.initialize for `group` (before any other JAX call of the process),
+    the coordinator bound to its own address only; then this process's address is published
+    for the others' failure messages. A group that does not form within `timeout_s`: one line
+    naming the process and the coordinator, and the process exits (EXIT_GROUP_BROKEN)."""
+    import jax
+
+    bind = group.coordinator if group.process_id == 0 else None
+    who = "?" if group.process_id is None else group.process_id
+    failed = (f"process {who} of {group.processes}: the group did not form at the coordinator "
+              f"{group.coordinator} within {timeout_s} s")
+    # the runtime aborts the process (a fatal log, not an exception) when its own timeout
+    # passes, so a watchdog that fires first gives the one line; the runtime's is a margin later
+    joined = threading.Event()
+
+    def watchdog():
+        if not joined.wait(timeout_s):
+            _exit(failed)
+
+    threading.Thread(target=watchdog, daemon=True, name="kipp-distributed-join").start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator, num_processes=group.processes,
+            process_id=group.process_id, coordinator_bind_address=bind,
+            initialization_timeout=timeout_s + JOIN_MARGIN_S,
+            heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=max(5, heartbeat_s))
+    except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, UNAVAILABLE, ...
+        _exit(f"{failed} ({_first_line(e)})")
+    joined.set()
+    link = Link(jax.process_index(), jax.process_count(), group.coordinator or "")
+    link.publish_address()
+    return link
+
+
+class Link:
+    """This process's end of the step channel (see module docstring). Thread-safe: the
+    leader's keep-alive thread and its scheduler share it under one lock."""
+
+    def __init__(self, process_id: int, processes: int, coordinator: str):
+        self.process_id, self.processes, self.coordinator = process_id, processes, coordinator
+        self.leader = process_id == 0
+        self.lock = threading.RLock()
+        self._last = time.monotonic()
+        self._stopped = False
+        self._keepalive: threading.Thread | None = None
+
+    # -- the leader ---------------------------------------------------------------------------
+
+    def step(self, bucket, arrays, run: Callable[[], object]):
+        """Broadcast one step's shape and inputs, then `run()` it (the same program every
+        process runs), under the lock; returns what `run` returns."""
+        with self.lock:
+            self._guard("broadcasting a step", lambda: self._send(Command.STEP, bucket, arrays))
+            result = self._guard("running a step", run)
+            self._last = time.monotonic()
+            return result
+
+    def start_keepalive(self) -> None:
+        """The leader's idle broadcasts (a daemon thread), so followers hear within
+        KEEPALIVE_S and a dead follower is noticed while nothing is asked."""
+        if self.leader and self.processes > 1 and self._keepalive is None:
+            self._keepalive = threading.Thread(target=self._keep_alive, daemon=True,
+                                               name="kipp-distributed-keepalive")
+            self._keepalive.start()
+
+    def _keep_alive(self) -> None:
+        while not self._stopped:
+            time.sleep(KEEPALIVE_S / 4)
+            with self.lock:
+                if self._stopped:
+                    return
+                if time.monotonic() - self._last >= KEEPALIVE_S:
+                    self._guard("a keep-alive", lambda: self._send(Command.IDLE))
+                    self._last = time.monotonic()
+
+    def stop(self) -> None:
+        """Tell the followers to leave their loop, then shut the runtime down (every process
+        meets at JAX's shutdown barrier)."""
+        with self.lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if self.leader and self.processes > 1:
+                self._guard("stopping the group", lambda: self._send(Command.STOP))
+        _shutdown()
+
+    def _send(self, command: Command, bucket=None, arrays=None) -> None:
+        from jax.experimental import multihost_utils
+
+        header = np.zeros(HEADER, np.int32)
+        header[0] = command
+        if bucket is not None:
+            header[1:6] = (bucket.tokens, bucket.seqs, bucket.queries, bucket.blocks,
+                           bucket.rows)
+        multihost_utils.broadcast_one_to_all(header)
+        if arrays is not None:
+            multihost_utils.broadcast_one_to_all(tuple(arrays))
+
+    # -- a follower -----------------------------------------------------------------------------
+
+    def receive(self, num_blocks: int):
+        """(Command, Bucket or None, RoundArrays or None): the leader's next message."""
+        from jax.experimental import multihost_utils
+
+        from kipp.cuda import rounds
+
+        header = self._guard("waiting for the leader", lambda: np.asarray(
+            multihost_utils.broadcast_one_to_all(np.zeros(HEADER, np.int32))))
+        self._last = time.monotonic()
+        command = Command(int(header[0]))
+        if command is not Command.STEP:
+            return command, None, None
+        bucket = rounds.Bucket(*(int(v) for v in header[1:6]))
+        shapes = rounds.placeholder_arrays(bucket, num_blocks)
+        arrays = self._guard("receiving a step", lambda: multihost_utils.broadcast_one_to_all(
+            tuple(shapes)))
+        return command, bucket, rounds.RoundArrays(*(np.asarray(a) for a in arrays))
+
+    def watch_silence(self, silence_s: float = SILENCE_S) -> None:
+        """A follower's watchdog (a daemon thread): no message for `silence_s` while the
+        leader should send one every KEEPALIVE_S means the leader is stuck: exit."""
+        def watch():
+            while not self._stopped:
+                time.sleep(min(1.0, silence_s / 4))
+                if not self._stopped and time.monotonic() - self._last > silence_s:
+                    self._broken(f"no message from the leader for {silence_s:.0f} s", None)
+
+        threading.Thread(target=watch, daemon=True, name="kipp-distributed-watch").start()
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def publish_address(self) -> None:
+        client = _client()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.key_value_set(f"kipp/address/{self.process_id}",
+                                     f"{_own_address()} pid {os.getpid()}")
+
+    def _guard(self, what: str, action: Callable[[], object]):
+        try:
+            return action()
+        except Exception as e:  # a collective over a lost peer: JaxRuntimeError
+            log.debug("distributed failure while %s", what, exc_info=True)
+            self._broken(what, e)
+
+    def _broken(self, what: str, error: Exception | None) -> None:
+        lost = self.lost_processes()
+        if lost:
+            names = ", ".join(f"process {i} ({self.address_of(i)})" for i in lost)
+            problem = f"lost {names}"
+        else:
+            problem = "lost a peer"
+        cause = f": {_first_line(error)}" if error is not None else ""
+        _exit(f"process {self.process_id} of {self.processes}: {problem} while {what}{cause}")
+
+    def lost_processes(self) -> list[int]:
+        """The peer a follower or a two-process leader lost; [] when it cannot tell (the
+        coordination service's live-node query is itself a barrier every process must join,
+        so it cannot be asked here)."""
+        if self.process_id != 0:
+            return [0] if self.processes == 2 else []
+        return [1] if self.processes == 2 else []
+
+    def address_of(self, process_id: int) -> str:
+        if process_id == 0:
+            return f"coordinator {self.coordinator}"
+        client = _client()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                value = client.key_value_try_get(f"kipp/address/{process_id}")
+                if value:
+                    return value
+        return "address unknown"
+
+
+def follow(backend) -> None:
+    """A follower's loop: run every step the leader broadcasts, until it says STOP."""
+    link = backend.link
+    link.watch_silence()
+    while True:
+        command, bucket, arrays = link.receive(backend.num_blocks)
+        if command is Command.STOP:
+            link._stopped = True
+            _shutdown()
+            return
+        if command is Command.STEP:
+            program = backend._program(bucket, arrays)
+            _, backend.kv = link._guard("running a step", lambda: backend._run(program, arrays))
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _shutdown() -> None:
+    import jax
+
+    with contextlib.suppress(Exception):
+        jax.distributed.shutdown()
+
+
+def _own_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _exit(line: str) -> None:
+    """The group cannot go on (a tensor-parallel step needs every process): one line on
+    stderr, then exit at once (JAX's runtime would abort later, with a page of logs)."""
+    sys.stderr.write(f"kipp: distributed group broken: {line}\n")
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(EXIT_GROUP_BROKEN)
