@@ -208,6 +208,7 @@ def step_specs(c: registry.Checkpoint, scheme: str, kv_scheme: str = "bf16", *, 
     rope = (S((c.context_length, HEAD_DIM), jnp.float32),) * 2
     rows = {"tokens": (tokens,), "positions": (tokens,), "slots": (tokens,),
             "query_index": (seqs, queries), "query_pos": (seqs, queries),
-            "token_query": (tokens,), "block_tables": (seqs, blocks), "logit_rows": (seqs,)}
+            "token_query": (tokens,), "block_tables": (seqs, blocks), "logit_rows": (seqs,),
+            "adapter_slots": (tokens,)}
     arrays = RoundArrays(**{f: S(shape, jnp.int32) for f, shape in rows.items()})
     return params, kv, rope, arrays
