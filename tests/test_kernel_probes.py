@@ -310,13 +310,13 @@ def test_jax_first_step_runtime_error_falls_back(artifacts, monkeypatch, caplog)
     _kernels_pass_their_probes(monkeypatch)
     real_compile = JaxBackend._compile
 
-    def compile_(self, bucket, arrays):
+    def compile_(self, bucket, arrays, lora_rank=0):
         if self.kernel_report().running:  # the kernels' program: faults at run time
             def run(*args):
                 raise RuntimeError("INTERNAL: CUDA error: an illegal memory access was "
                                    "encountered (CUDA_ERROR_ILLEGAL_ADDRESS)")
             return run
-        return real_compile(self, bucket, arrays)
+        return real_compile(self, bucket, arrays, lora_rank)
 
     monkeypatch.setattr(JaxBackend, "_compile", compile_)
     artifact = open_artifact(artifacts(TINY, "bf16"))

@@ -86,3 +86,19 @@ def test_adapters_match_the_reference_and_batch(artifacts, made, scheme, backend
         [alone] = jb.eval([EvalItem(prompts[i], 0, (6 + i, 9 + i % 2), len(prompts[i]), name)])
         assert gates.nmse(alone, got[i][:len(prompts[i])]) <= gates.calibrated_bound(
             jb, "batched"), (scheme, name)
+
+
+def test_a_jax_round_reads_only_its_adapters(artifacts, made):
+    """Loaded adapters cost nothing to rows that do not use them: a round of the base alone
+    compiles a step with no low-rank term, and a round under alpha (rank 4) reads one slot at
+    rank 4, not both slots at beta's rank 8; both still equal the reference."""
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    jb = _with_adapters(_accelerated("jax", artifact), made, artifact.entry)
+    ref = _with_adapters(ReferenceBackend(artifact, BLOCKS), made, artifact.entry)
+    prompt = _tokens(4, 12)
+    for adapter, read in ((None, (0, 0)), ("alpha", (1, 4))):
+        before = set(jb._programs)
+        item = EvalItem(prompt, 0, (0,), 1, adapter)
+        [got], [want] = jb.eval([item]), ref.eval([item])
+        assert {key[1:] for key in set(jb._programs) - before} == {read}, adapter
+        assert gates.nmse(got, want) <= gates.calibrated_bound(jb, "reference"), adapter

@@ -70,6 +70,7 @@ class MLXBackend(Backend):
         self.max_round_tokens = max_round_tokens
         self.kv_scheme = kv_scheme
         self._adapter_slots: dict[str, int] = {}
+        self._ranks: dict[int, int] = {}  # stacked LoRA slot -> its adapter's rank
         fallback = probe.fallback_enabled(fallback)
         # The kernels read the stored format, and so do the twins that replace them (a GPU)
         self.memory = memory.choose_weight_memory(
@@ -159,6 +160,7 @@ class MLXBackend(Backend):
         from kipp.lora.apply import stack_adapters
 
         self._adapter_slots, stacked = stack_adapters(self.adapters, self.entry)
+        self._ranks = {s: self.adapters[n].rank for n, s in self._adapter_slots.items()}
         if not stacked:
             self.weights.lora = None
             return
@@ -167,17 +169,24 @@ class MLXBackend(Backend):
                              for layer in range(self.entry.layers)]
         mx.eval([x for layer in self.weights.lora for pair in layer.values() for x in pair])
 
-    def _adapter_rows(self, items, pieces) -> "mx.array | None":
-        """[T, slots] one-hot LoRA slot of each of the round's token rows (None: no adapter
-        is loaded, or no piece of this round runs under one)."""
-        if not self._adapter_slots or all(items[p.item].adapter is None for p in pieces):
-            return None
+    def _round_adapters(self, items, pieces) -> dict:
+        """Round's LoRA fields: adapter_rows [T, N] one-hot index of each token row into
+        adapter_active (the N stacked slots the round reads, kipp.lora.apply.round_adapters)
+        and adapter_rank (the ranks it reads); none when no piece runs under an adapter."""
+        from kipp.lora.apply import round_adapters
+
+        names = [items[p.item].adapter for p in pieces]
+        active, rank = round_adapters(names, self._adapter_slots, self._ranks)
+        if not active:
+            return {}
+        index = {slot: i for i, slot in enumerate(active)}
         rows = []
-        for p in pieces:
-            slot = self._adapter_slots.get(items[p.item].adapter, -1)
-            rows += [slot] * (p.stop - p.start)
-        hot = np.asarray(rows)[:, None] == np.arange(len(self._adapter_slots))[None, :]
-        return mx.array(hot.astype(np.float32))
+        for p, name in zip(pieces, names):
+            rows += [index[self._adapter_slots[name]] if name is not None else -1] * (
+                p.stop - p.start)
+        hot = np.asarray(rows)[:, None] == np.arange(len(active))[None, :]
+        return dict(adapter_rows=mx.array(hot.astype(np.float32)),
+                    adapter_active=forward.as_int32(active), adapter_rank=rank)
 
     def _pack(self, items: Sequence[EvalItem], pieces: Sequence[Piece]):
         """The one place items become MLX arrays: (Round, [(item, output row)] per logits row)."""
@@ -206,7 +215,7 @@ class MLXBackend(Backend):
             pieces=[(start, n, forward.as_int32(v)) for start, n, v in spans],
             logit_rows=forward.as_int32(rows if rows else [0]),
             decode_only=all(n == 1 for _, n, _ in spans),
-            adapter_rows=self._adapter_rows(items, pieces))
+            **self._round_adapters(items, pieces))
         if r.decode_only and self.choice.kernels:
             blocks = [blocks_needed(len(v)) for _, _, v in spans]
             tables = np.zeros((len(pieces), max(blocks)), np.int32)  # 0-padded: never read

@@ -121,7 +121,9 @@ class Round:
     decode_only: bool  # every piece is one token (the decode kernel's case)
     tables: mx.array | None = None  # [S, B] int32, decode rounds only
     lengths: mx.array | None = None  # [S] int32, decode rounds only
-    adapter_rows: mx.array | None = None  # [T, slots] one-hot LoRA slot of each token row
+    adapter_rows: mx.array | None = None  # [T, N] one-hot index into adapter_active
+    adapter_active: mx.array | None = None  # [N] stacked LoRA slots the round reads
+    adapter_rank: int = 0  # the stacked ranks it reads (the largest of its adapters')
 
 
 @dataclass
@@ -148,10 +150,18 @@ def step(w: Weights, k: KVSlab, v: KVSlab, r: Round, ops: Ops) -> mx.array:
     """The round's logits [R, vocab] float32 (lazy); stores the round's K/V in the slabs."""
     x = r.x
     for index, layer in enumerate(w.layers):
-        lora = w.lora[index] if w.lora is not None and r.adapter_rows is not None else None
+        lora = _round_lora(w.lora[index], r) if w.lora is not None and r.adapter_rows is not None \
+            else None
         x = _layer(index, layer, x, k, v, r, ops, lora)
     h = rms_norm(x[r.logit_rows], w.output_norm)
     return ops.linear(h, w.head)
+
+
+def _round_lora(layer: dict, r: Round) -> dict:
+    """One layer's stacked adapters {projection: (A [S, R, in], B [S, out, R])} cut to the
+    round's: its slots and ranks only ([N, rank, in], [N, out, rank])."""
+    sel, rank = r.adapter_active, r.adapter_rank
+    return {name: (a[sel, :rank], b[sel, :, :rank]) for name, (a, b) in layer.items()}
 
 
 def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops, lora=None):

@@ -362,9 +362,10 @@ def linear_kernel(x: mx.array, w: Linear, runner=None) -> mx.array:
 
 
 def low_rank(x: mx.array, pair, rows: mx.array):
-    """s * B (A x) of each row's LoRA adapter: x [T, in] float32, pair (A [S, r, in], B [S, out,
-    r], s folded into B), rows [T, S] one-hot (all zero: the base weights). Every slot's A x is
-    computed and masked (S is small); None when no adapter targets this projection."""
+    """s * B (A x) of each row's LoRA adapter: x [T, in] float32, pair (A [N, r, in], B [N, out,
+    r], s folded into B) of the round's N adapters, rows [T, N] one-hot (all zero: the base
+    weights). Each adapter's A x is computed and masked (N is small); None when no adapter
+    targets this projection."""
     if pair is None:
         return None
     a, b = pair

@@ -102,7 +102,8 @@ class JaxBackend(Backend):
         self.fallback = probe.fallback_enabled(fallback)
         self.max_round_tokens = rounds.bucket_size(max_round_tokens)
         self.compile_log: list[tuple[rounds.Bucket, float]] = []
-        self._programs: dict[rounds.Bucket, object] = {}
+        # (bucket, LoRA adapters read, their ranks read) -> the compiled step
+        self._programs: dict[tuple[rounds.Bucket, int, int], object] = {}
         start = time.perf_counter()
         self.kernels = self._probe() if self.choice.kernels else probe.KernelReport()
         self._load(artifact)
@@ -155,6 +156,7 @@ class JaxBackend(Backend):
                 layout.to_device(value, self.device)), self.plan.bits, self.stacked)
             kv_sharding = replicated = self.device
         self._adapter_slots: dict[str, int] = {}
+        self._ranks: dict[int, int] = {}  # stacked LoRA slot -> its adapter's rank
         self._kv_zeros = kvcache.slab_maker(self.entry.layers, self.num_blocks, self.kv_scheme,
                                             self.plan.platform, self.stacked, kv_sharding)
         self.kv = self._kv_zeros()
@@ -194,8 +196,8 @@ class JaxBackend(Backend):
 
     @property
     def buckets(self) -> list[rounds.Bucket]:
-        """The step shapes this backend has run (each one compiled program)."""
-        return sorted(self._programs)
+        """The step shapes this backend has run (compiled programs; LoRA widths aside)."""
+        return sorted({bucket for bucket, _, _ in self._programs})
 
     @property
     def weight_bytes(self) -> int:
@@ -288,32 +290,42 @@ class JaxBackend(Backend):
         return logits, kv
 
     def _program(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
-        program = self._programs.get(bucket)
+        key = (bucket, len(arrays.adapter_active), self._lora_rank(arrays.adapter_active))
+        program = self._programs.get(key)
         if program is None:
-            program = _PROGRAMS.get((bucket,) + self._signature)
+            program = _PROGRAMS.get(key + self._signature)
             if program is None:
-                program = self._compile_or_fall_back(bucket, arrays)
-                _PROGRAMS[(bucket,) + self._signature] = program  # the path actually compiled
-            self._programs[bucket] = program
+                program = self._compile_or_fall_back(bucket, arrays, key[2])
+                _PROGRAMS[key + self._signature] = program  # the path actually compiled
+            self._programs[key] = program
             self._precompile_decode(bucket)
         return program
+
+    def _lora_rank(self, active: np.ndarray) -> int:
+        """The stacked LoRA ranks a round under these slots reads: the largest of theirs,
+        rounded up to a power of two (fewer programs), at most the stacked width."""
+        if not len(active):
+            return 0
+        return min(rounds.bucket_size(max(self._ranks[int(s)] for s in active)),
+                   max(self._ranks.values()))
 
     def _precompile_decode(self, bucket: rounds.Bucket) -> None:
         """A multi-token round's block width gets its one-token program at once: the first
         decode step at that context, and a cache hit that leaves only a prompt's last token to
         evaluate (kipp.engine.blocks' tails), then never wait on a compile."""
         one = rounds.Bucket(1, 1, 1, bucket.blocks, 1)
-        if bucket.tokens > 1 and one not in self._programs:
+        if bucket.tokens > 1 and (one, 0, 0) not in self._programs:
             self._program(one, rounds.placeholder_arrays(one, self.num_blocks))
 
-    def _compile_or_fall_back(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
+    def _compile_or_fall_back(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays,
+                              lora_rank: int):
         if not self.kernels.running or self.choice.interpret:
-            return self._compile(bucket, arrays)
+            return self._compile(bucket, arrays, lora_rank)
         try:
-            return self._compile(bucket, arrays)
+            return self._compile(bucket, arrays, lora_rank)
         except Exception as e:  # a lowering or Triton compile error of the whole step
             self._fall_back(f"the step failed to compile ({probe.one_line(e)})")
-            return self._compile(bucket, arrays)
+            return self._compile(bucket, arrays, lora_rank)
 
     def _first_step(self) -> None:
         """Compile and run one decode step on the kernels at load, storing nothing (every slot
@@ -341,9 +353,10 @@ class JaxBackend(Backend):
         self._programs.clear()
         self._signature = (self._ops(),) + self._signature[1:]
 
-    def _compile(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
+    def _compile(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays, lora_rank: int = 0):
         start = time.perf_counter()
-        step = jax.jit(functools.partial(forward.step, ops=self._ops()), donate_argnums=(1,))
+        step = jax.jit(functools.partial(forward.step, ops=self._ops(), lora_rank=lora_rank),
+                       donate_argnums=(1,))
         what = f"kipp: compiling the jax step {bucket} (first call of this shape)"
         with step_bar(what, self.progress):
             program = _compile_with(step.lower(self.params, self.kv, self.rope,
@@ -368,6 +381,7 @@ class JaxBackend(Backend):
         from kipp.lora.apply import stack_adapters
 
         self._adapter_slots, stacked = stack_adapters(self.adapters, self.entry)
+        self._ranks = {s: self.adapters[n].rank for n, s in self._adapter_slots.items()}
         self.params.pop("lora", None)
         if stacked:
             self.params["lora"] = jax.device_put(stacked, self._replicated)

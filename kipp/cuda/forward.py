@@ -106,11 +106,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
-    """One round: (logits [R, vocab] float32, the updated KV slab)."""
+def step(params, kv, rope, r: RoundArrays, *, ops: Ops, lora_rank: int = 0):
+    """One round: (logits [R, vocab] float32, the updated KV slab). `lora_rank`: the ranks of
+    the stacked LoRA adapters this round reads (the largest of r.adapter_active's)."""
     x = _embed(params["embed"], r.tokens)  # [T, hidden]
     cos, sin = rope[0][r.positions], rope[1][r.positions]  # [T, 128]
-    lora = _lora_rows(params.get("lora"), r)
+    lora = _round_lora(params.get("lora"), r, lora_rank)
     if isinstance(params["layers"], dict) and ops.pipeline is not None:
         x, new_kv = _pipeline(x, params["layers"], kv, cos, sin, r, ops)
     elif isinstance(params["layers"], dict):  # stacked layers: one layer's code, scanned
@@ -126,20 +127,27 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops):
     return ops.linear(h, _head(params), head=True), new_kv
 
 
-def _lora_rows(lora, r: RoundArrays):
-    """LoRA adapters {projection: (A, B)} stacked [layers, slots, ...], with "rows": each
-    token's one-hot slot [T, S] (all zero: the base weights); None without adapters."""
-    if lora is None:
+def _round_lora(lora, r: RoundArrays, rank: int):
+    """The round's view of the stacked LoRA adapters {projection: (A [layers, S, R, in],
+    B [layers, S, out, R])}: "active" (the slots it reads), "rank" (the ranks it reads) and
+    "rows" (each token's one-hot index into active [T, N], all zero: the base weights); None
+    when no item of the round names an adapter, so the base alone reads none of them."""
+    if lora is None or r.adapter_active.shape[0] == 0:
         return None
-    slots = jnp.arange(next(iter(lora.values()))[0].shape[1])
-    return dict(lora, rows=(r.adapter_slots[:, None] == slots).astype(jnp.float32))
+    n = r.adapter_active.shape[0]
+    rows = (r.adapter_slots[:, None] == jnp.arange(n)).astype(jnp.float32)
+    return {"weights": lora, "active": r.adapter_active, "rank": rank, "rows": rows}
 
 
 def _lora_at(lora, i):
-    """Layer i's adapters and the rows' one-hot slots, or None."""
+    """Layer i's {projection: (A [N, rank, in], B [N, out, rank])} of the round's adapters,
+    with "rows"; or None."""
     if lora is None:
         return None
-    return {name: (w if name == "rows" else (w[0][i], w[1][i])) for name, w in lora.items()}
+    sel, rank = lora["active"], lora["rank"]
+    layer = {name: (a[i][sel, :rank], b[i][sel, :, :rank])
+             for name, (a, b) in lora["weights"].items()}
+    return dict(layer, rows=lora["rows"])
 
 
 def _scanned(x, layers, kv, cos, sin, r: RoundArrays, ops: Ops, lora=None):
@@ -232,9 +240,10 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=Non
 
 
 def low_rank(x, a, b, rows) -> jax.Array:
-    """s * B (A x) of each row's adapter: x [T, in], a [S, r, in], b [S, out, r] (s folded
-    in), rows [T, S] one-hot (all zero: the base weights). Every slot's A x is computed and
-    masked (S is small), float32 at full precision, never TF32 or BF16 passes."""
+    """s * B (A x) of each row's adapter: x [T, in], a [N, r, in], b [N, out, r] (s folded
+    in) of the round's N adapters, rows [T, N] one-hot (all zero: the base weights). Each of
+    the N adapters' A x is computed and masked (N is small), float32 at full precision, never
+    TF32 or BF16 passes."""
     highest = jax.lax.Precision.HIGHEST
     xa = jnp.einsum("ti,sri->tsr", x, a, precision=highest) * rows[:, :, None]  # [T, S, r]
     return jnp.einsum("tsr,sor->to", xa, b, precision=highest)

@@ -46,7 +46,9 @@ class RoundArrays(NamedTuple):
     token_query: np.ndarray  # [T] flat (sequence * Tq + query) slot of each token row
     block_tables: np.ndarray  # [S, B] physical blocks (0 past a table's end: never visible)
     logit_rows: np.ndarray  # [R] token rows whose logits the step returns
-    adapter_slots: np.ndarray  # [T] LoRA adapter slot of each token row; -1: the base weights
+    adapter_slots: np.ndarray  # [T] each token row's index into adapter_active; -1: the base
+    adapter_active: np.ndarray  # [N] stacked LoRA slots the round reads (N 0: none, else a
+    #                             power of two, padded by repeating the first)
 
 
 def bucket_size(n: int) -> int:
@@ -58,7 +60,8 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
                adapter_slots: dict | None = None,
                ) -> tuple[Bucket, RoundArrays, list[tuple[int, int]]]:
     """The bucket, padded arrays and logits destinations [(item, row in its output)].
-    `adapter_slots`: LoRA adapter name -> its slot in the step's stacked adapter weights."""
+    `adapter_slots`: LoRA adapter name -> its slot in the step's stacked adapter weights; the
+    round's adapters' slots go in adapter_active (kipp.lora.apply.round_adapters' order)."""
     n_tokens = sum(p.stop - p.start for p in pieces)
     dests, rows = [], []
     for p in pieces:
@@ -71,6 +74,12 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
     bucket = Bucket(bucket_size(n_tokens), bucket_size(len(pieces)), bucket_size(longest),
                     bucket_size(blocks), bucket_size(max(1, len(dests))))
     a = _empty_arrays(bucket, num_blocks)
+    names = list(dict.fromkeys(items[p.item].adapter for p in pieces
+                               if items[p.item].adapter is not None))
+    if names:
+        active = [adapter_slots[n] for n in names]
+        active += active[:1] * (bucket_size(len(active)) - len(active))
+        a = a._replace(adapter_active=np.asarray(active, np.int32))
     row = 0
     for s, p in enumerate(pieces):
         item = items[p.item]
@@ -86,7 +95,7 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
         a.token_query[row:row + n] = s * bucket.queries + np.arange(n)
         a.block_tables[s, :len(table)] = table
         if item.adapter is not None:
-            a.adapter_slots[row:row + n] = adapter_slots[item.adapter]
+            a.adapter_slots[row:row + n] = names.index(item.adapter)
         first_row = len(item.tokens) - item.logits_rows
         for t in range(max(p.start, first_row), p.stop):
             rows.append(row + t - p.start)
@@ -112,4 +121,5 @@ def _empty_arrays(b: Bucket, num_blocks: int) -> RoundArrays:
         block_tables=np.zeros((b.seqs, b.blocks), i32),
         logit_rows=np.zeros(b.rows, i32),
         adapter_slots=np.full(b.tokens, -1, i32),
+        adapter_active=np.zeros(0, i32),
     )

@@ -40,11 +40,22 @@ def add_low_rank(y: np.ndarray, x: np.ndarray, groups, layer: int, proj: str) ->
     return y
 
 
+def round_adapters(names: Sequence, slots: dict[str, int], ranks: dict[int, int],
+                   ) -> tuple[list[int], int]:
+    """What one round reads of the stacked adapters: the slots of the adapters its pieces name
+    (`names`, None for the base weights) in first-seen order, and the largest of their ranks
+    (0 for none). A round of the base alone reads no adapter weights, and a round under one
+    rank-8 adapter reads 8 of the stacked ranks of that one slot, whatever else is loaded."""
+    active = list(dict.fromkeys(slots[n] for n in names if n is not None))
+    return active, max((ranks[s] for s in active), default=0)
+
+
 def stack_adapters(adapters: dict, entry) -> tuple[dict[str, int], dict]:
     """The accelerated backends' layout of the loaded adapters: (name -> slot, {projection:
     (A [layers, S, r, in], B [layers, S, out, r])}) float32, the scale folded into B, ranks
-    zero-padded to the largest (zero rows and columns add exact zeros). Only projections some
-    adapter targets are present; ({}, {}) with no adapters."""
+    zero-padded to the largest (zero rows and columns add exact zeros; a round reads only its
+    adapters' slots and ranks, round_adapters). Only projections some adapter targets are
+    present; ({}, {}) with no adapters."""
     from kipp.lora.adapter import PROJECTIONS, projection_shape
 
     names = sorted(adapters)

@@ -209,6 +209,6 @@ def step_specs(c: registry.Checkpoint, scheme: str, kv_scheme: str = "bf16", *, 
     rows = {"tokens": (tokens,), "positions": (tokens,), "slots": (tokens,),
             "query_index": (seqs, queries), "query_pos": (seqs, queries),
             "token_query": (tokens,), "block_tables": (seqs, blocks), "logit_rows": (seqs,),
-            "adapter_slots": (tokens,)}
+            "adapter_slots": (tokens,), "adapter_active": (0,)}
     arrays = RoundArrays(**{f: S(shape, jnp.int32) for f, shape in rows.items()})
     return params, kv, rope, arrays
