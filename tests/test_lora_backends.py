@@ -4,6 +4,10 @@ adapters and the base against each item alone."""
 
 from __future__ import annotations
 
+import platform
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_lora import TINY, make_adapters  # noqa: E402
@@ -102,3 +106,47 @@ def test_a_jax_round_reads_only_its_adapters(artifacts, made):
         [got], [want] = jb.eval([item]), ref.eval([item])
         assert {key[1:] for key in set(jb._programs) - before} == {read}, adapter
         assert gates.nmse(got, want) <= gates.calibrated_bound(jb, "reference"), adapter
+
+
+def _kernel_path(name, artifact):
+    """A backend whose projections run on Kipp's kernels, without a GPU or a Mac: the Pallas
+    kernels in interpret mode, or the Metal sources on the emulator (tools/metal_emulator)."""
+    if name == "pallas-interpret":
+        pytest.importorskip("jax")
+        from kipp.cuda.backend import JaxBackend
+
+        jb = JaxBackend(artifact, BLOCKS, path="interpret", weight_layout="device",
+                        fallback=False)
+        assert "Pallas kernels (interpret mode)" in jb.describe()
+        return jb
+    pytest.importorskip("mlx.core")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the Metal emulator's fiber switch is written for x86-64")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from metal_emulator import Emulator
+
+    from kipp.apple.backend import MLXBackend
+
+    mb = MLXBackend(artifact, BLOCKS, kernel_runner=Emulator("fast"), fallback=False)
+    assert mb.choice.kernels and "Metal emulator" in mb.describe()
+    return mb
+
+
+@pytest.mark.slow  # interpret mode and the emulator run every kernel on the CPU, slowly
+@pytest.mark.parametrize("path", ["pallas-interpret", "metal-emulator"])
+def test_adapters_beside_the_kernels_match_the_reference(artifacts, made, path):
+    """The low-rank term beside the Pallas and Metal kernels (q8_0 base): a batch of alpha, the
+    base and beta, prefill then a decode step, against the reference with the same adapters."""
+    artifact = open_artifact(artifacts(TINY, "q8_0"))
+    ref = _with_adapters(ReferenceBackend(artifact, BLOCKS), made, artifact.entry)
+    kb = _with_adapters(_kernel_path(path, artifact), made, artifact.entry)
+    prompts = [_tokens(seed, n) for seed, n in ((1, 9), (2, 12), (3, 14))]
+    tables = [(0,), (2,), (4,)]
+    want, got = _run(ref, prompts, tables, steps=1), _run(kb, prompts, tables, steps=1)
+    bound = gates.calibrated_bound(kb, "reference")
+    for name, g, w in zip(ADAPTERS, got, want):
+        error = gates.nmse(g, w)
+        print(f"{path} {name}: NMSE vs reference {error:.3g} (bound {bound:.1g})")
+        assert error <= bound, (path, name, error)
+        differ, ties = gates.argmax_check(g, w)
+        assert differ == ties, (path, name, differ, ties)

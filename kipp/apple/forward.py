@@ -131,7 +131,7 @@ class Weights:
     layers: list  # per layer: norms, and Linear / SplitFFN weights (backend._prepare's keys)
     output_norm: mx.array
     head: Linear
-    # per layer {projection: (A [S, r, in], B [S, out, r])} of the loaded LoRA adapters
+    # per layer {projection: (A [S, r, in], B^T [S, r, out])} of the loaded LoRA adapters
     lora: list | None = None
 
 
@@ -158,10 +158,10 @@ def step(w: Weights, k: KVSlab, v: KVSlab, r: Round, ops: Ops) -> mx.array:
 
 
 def _round_lora(layer: dict, r: Round) -> dict:
-    """One layer's stacked adapters {projection: (A [S, R, in], B [S, out, R])} cut to the
-    round's: its slots and ranks only ([N, rank, in], [N, out, rank])."""
+    """One layer's stacked adapters {projection: (A [S, R, in], B^T [S, R, out])} cut to the
+    round's: its slots and ranks only ([N, rank, in], [N, rank, out])."""
     sel, rank = r.adapter_active, r.adapter_rank
-    return {name: (a[sel, :rank], b[sel, :, :rank]) for name, (a, b) in layer.items()}
+    return {name: (a[sel, :rank], b[sel, :rank]) for name, (a, b) in layer.items()}
 
 
 def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops, lora=None):

@@ -362,15 +362,15 @@ def linear_kernel(x: mx.array, w: Linear, runner=None) -> mx.array:
 
 
 def low_rank(x: mx.array, pair, rows: mx.array):
-    """s * B (A x) of each row's LoRA adapter: x [T, in] float32, pair (A [N, r, in], B [N, out,
-    r], s folded into B) of the round's N adapters, rows [T, N] one-hot (all zero: the base
+    """s * B (A x) of each row's LoRA adapter: x [T, in] float32, pair (A [N, r, in], B^T [N, r,
+    out], s folded into B) of the round's N adapters, rows [T, N] one-hot (all zero: the base
     weights). Each adapter's A x is computed and masked (N is small); None when no adapter
     targets this projection."""
     if pair is None:
         return None
     a, b = pair
     xa = mx.einsum("ti,sri->tsr", x, a) * rows[:, :, None]  # [T, S, r]
-    return mx.einsum("tsr,sor->to", xa, b)
+    return mx.einsum("tsr,sro->to", xa, b)
 
 
 def plus(y: mx.array, delta) -> mx.array:

@@ -129,7 +129,7 @@ def step(params, kv, rope, r: RoundArrays, *, ops: Ops, lora_rank: int = 0):
 
 def _round_lora(lora, r: RoundArrays, rank: int):
     """The round's view of the stacked LoRA adapters {projection: (A [layers, S, R, in],
-    B [layers, S, out, R])}: "active" (the slots it reads), "rank" (the ranks it reads) and
+    B^T [layers, S, R, out])}: "active" (the slots it reads), "rank" (the ranks it reads) and
     "rows" (each token's one-hot index into active [T, N], all zero: the base weights); None
     when no item of the round names an adapter, so the base alone reads none of them."""
     if lora is None or r.adapter_active.shape[0] == 0:
@@ -140,12 +140,13 @@ def _round_lora(lora, r: RoundArrays, rank: int):
 
 
 def _lora_at(lora, i):
-    """Layer i's {projection: (A [N, rank, in], B [N, out, rank])} of the round's adapters,
+    """Layer i's {projection: (A [N, rank, in], B^T [N, rank, out])} of the round's adapters,
     with "rows"; or None."""
     if lora is None:
         return None
     sel, rank = lora["active"], lora["rank"]
-    layer = {name: (a[i][sel, :rank], b[i][sel, :, :rank])
+    # one gather each, of only the round's slots and ranks (no copy of the layer's whole stack)
+    layer = {name: (a[i, sel, :rank], b[i, sel, :rank])
              for name, (a, b) in lora["weights"].items()}
     return dict(layer, rows=lora["rows"])
 
@@ -240,13 +241,13 @@ def _layer(x, p, k_cache, v_cache, cos, sin, r: RoundArrays, ops: Ops, layer=Non
 
 
 def low_rank(x, a, b, rows) -> jax.Array:
-    """s * B (A x) of each row's adapter: x [T, in], a [N, r, in], b [N, out, r] (s folded
+    """s * B (A x) of each row's adapter: x [T, in], a [N, r, in], b = B^T [N, r, out] (s folded
     in) of the round's N adapters, rows [T, N] one-hot (all zero: the base weights). Each of
     the N adapters' A x is computed and masked (N is small), float32 at full precision, never
     TF32 or BF16 passes."""
     highest = jax.lax.Precision.HIGHEST
     xa = jnp.einsum("ti,sri->tsr", x, a, precision=highest) * rows[:, :, None]  # [T, S, r]
-    return jnp.einsum("tsr,sor->to", xa, b, precision=highest)
+    return jnp.einsum("tsr,sro->to", xa, b, precision=highest)
 
 
 def _silu(x: jax.Array) -> jax.Array:

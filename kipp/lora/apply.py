@@ -52,7 +52,7 @@ def round_adapters(names: Sequence, slots: dict[str, int], ranks: dict[int, int]
 
 def stack_adapters(adapters: dict, entry) -> tuple[dict[str, int], dict]:
     """The accelerated backends' layout of the loaded adapters: (name -> slot, {projection:
-    (A [layers, S, r, in], B [layers, S, out, r])}) float32, the scale folded into B, ranks
+    (A [layers, S, r, in], B^T [layers, S, r, out])}) float32, the scale folded into B, ranks
     zero-padded to the largest (zero rows and columns add exact zeros; a round reads only its
     adapters' slots and ranks, round_adapters). Only projections some adapter targets are
     present; ({}, {}) with no adapters."""
@@ -68,13 +68,14 @@ def stack_adapters(adapters: dict, entry) -> tuple[dict[str, int], dict]:
             continue
         out, inp = projection_shape(entry, proj)
         a = np.zeros((entry.layers, len(names), rank, inp), np.float32)
-        b = np.zeros((entry.layers, len(names), out, rank), np.float32)
+        # B transposed: a round's first ranks are contiguous rows of both, as A's are
+        b = np.zeros((entry.layers, len(names), rank, out), np.float32)
         for s, name in enumerate(names):
             adapter = adapters[name]
             for layer in range(entry.layers):
                 pair = adapter.weights.get((layer, proj))
                 if pair is not None:
                     a[layer, s, :adapter.rank] = pair[0]
-                    b[layer, s, :, :adapter.rank] = np.float32(adapter.scale) * pair[1]
+                    b[layer, s, :adapter.rank] = np.float32(adapter.scale) * pair[1].T
         stacked[proj] = (a, b)
     return {name: s for s, name in enumerate(names)}, stacked
