@@ -29,7 +29,7 @@ class FixedGate:
     def __init__(self, k=7):
         self.k = k
 
-    def budget(self):
+    def budget(self, batch=1):
         return self.k
 
     def update(self, drafted, accepted):
@@ -235,3 +235,53 @@ def test_the_synthetic_drafts_agree_with_the_0_6b_shape_at_their_dial(models, ag
     head = [int(t) for t in live_token_ids(draft.entry)[[3, 17, 40]]]
     _, stats = _run(draft, head, 24, temperature=0)
     assert stats.tokens == draft_rule.continuation(head, 24)
+
+
+def test_the_draft_cost_is_the_measured_step_ratio(models):
+    """spec_config prices a draft token by timing both models' one-token evals: a draft whose
+    evals are made slower costs more, whatever its file size."""
+    import time
+
+    from kipp.engine.draft import draft_cost
+
+    target, draft = models(TINY), models(BASE)
+    fast = draft_cost(target, draft)
+    real_eval = draft.backend.eval
+
+    def slow_eval(items):
+        time.sleep(0.05)
+        return real_eval(items)
+
+    draft.backend.eval = slow_eval
+    try:
+        slow = draft_cost(target, draft)
+    finally:
+        del draft.backend.eval
+    assert slow > fast + 0.5 * 0.05 / _one_token_seconds(target), (fast, slow)
+    assert draft_cost(target, target) == 1.0
+
+
+def _one_token_seconds(model):
+    import time
+
+    with model.session(4) as s:
+        s.eval([5])
+        start = time.perf_counter()
+        s.eval([6])
+        return time.perf_counter() - start
+
+
+def test_the_gate_prices_the_verify_rows_of_the_whole_batch():
+    """Where a verify's rows cost FLOPs (Kipp's stored CPU matmul: 4 rows ~1.3x one row), a
+    70% draft pays alone and not in a batch of eight, whose verify is 32 rows; where rows are
+    free (a GPU's few-row evals) it pays in both."""
+    from kipp.engine.spec import AdaptiveGate
+
+    cpu = AdaptiveGate(verify_base=0.85, verify_per_token=0.12, draft_cost=0.1,
+                       successes=0.7, trials=1.0)
+    assert cpu.expected_gain(3, batch=1) > 1.0 > cpu.expected_gain(3, batch=8)
+    assert cpu.budget(1) == 3 and cpu.budget(8) == 0
+    gpu = AdaptiveGate(verify_base=1.0, verify_per_token=0.0, draft_cost=0.1,
+                       successes=0.7, trials=1.0)
+    assert gpu.expected_gain(3, batch=8) == pytest.approx(gpu.expected_gain(3, batch=1))
+    assert gpu.expected_gain(3, batch=8) > 1.0

@@ -64,7 +64,7 @@ class FixedGate:
     def __init__(self, k):
         self.k = k
 
-    def budget(self):
+    def budget(self, batch=1):
         return self.k
 
     def update(self, drafted, accepted):

@@ -80,14 +80,15 @@ class Choice:
             return list(self.run.request.prompt[start:start + chunk])
         return [self.pending] + self.draft
 
-    def start_draft(self) -> tuple | None:
+    def start_draft(self, batch: int = 1) -> tuple | None:
         """This step's draft from the choice's drafter, or when it has none and a draft model
         drafts, the (tokens, limit, matcher) to start that model's draft with
-        (kipp.engine.draft.draft_many; then finish_draft)."""
+        (kipp.engine.draft.draft_many; then finish_draft). `batch`: the choices in this step,
+        which the gate prices the verify's rows by."""
         self.draft, self.draft_q, self.draft_source = [], None, ""
         if self.in_prompt or self.gate is None:
             return None
-        budget = self._budget()
+        budget = self._budget(batch)
         if budget <= 0:
             return None
         tokens = self.session.tokens + [self.pending]
@@ -172,7 +173,7 @@ class Choice:
             self.pending = token
         return token
 
-    def _budget(self) -> int:
+    def _budget(self, batch: int) -> int:
         # The draft must fit the session, and emitting all of it plus the model's own next
         # token must not pass max_tokens.
         room = min(self.session.remaining - 1,
@@ -181,7 +182,7 @@ class Choice:
         free = think.free() if think is not None else None
         if free is not None:  # the draft stops where a reasoning budget's closing starts
             room = min(room, free - 1)
-        return min(self.gate.budget(), room)
+        return min(self.gate.budget(batch), room)
 
     def _verify(self, rows: np.ndarray) -> None:
         """Accept the draft up to the first row whose pick disagrees, plus that pick; roll the

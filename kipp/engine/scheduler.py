@@ -348,7 +348,8 @@ class Scheduler:
 
     def _plan(self) -> list[tuple[Choice, list[int]]]:
         running = [c for r in self._running for c in r.live if c.state is ChoiceState.RUNNING]
-        drafting = [(c, start) for c in running if (start := c.start_draft()) is not None]
+        drafting = [(c, start) for c in running
+                    if (start := c.start_draft(len(running))) is not None]
         if drafting:  # draft models draft in lockstep: one draft eval per position
             draft_many([c.model_drafter for c, _ in drafting], [s for _, s in drafting])
             for c, _ in drafting:

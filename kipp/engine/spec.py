@@ -100,6 +100,7 @@ class AdaptiveGate:
     pause: int = field(default=0, init=False)
     backoff: int = field(default=1, init=False)
     probing: bool = field(default=False, init=False)
+    batch: int = field(default=1, init=False)  # choices in the last budget's step
 
     def __post_init__(self):
         if not self.sizes or min(self.sizes) < 1:
@@ -112,14 +113,23 @@ class AdaptiveGate:
     def acceptance(self) -> float:
         return self.successes / self.trials
 
-    def expected_gain(self, k: int) -> float:
-        """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0)."""
+    def step_cost(self, rows: int) -> float:
+        """An eval of `rows` token rows in one-row steps (the verify cost model)."""
+        return 1.0 if rows <= 1 else self.verify_base + self.verify_per_token * rows
+
+    def expected_gain(self, k: int, batch: int = 1) -> float:
+        """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0), in a
+        step of `batch` choices that draft alike: the verify's rows are the batch's times k + 1,
+        so drafting that pays alone (a few rows cost about one) may not pay in a full batch."""
         p = min(self.acceptance, 1 - 1e-9)
-        cost = self.verify_base + self.verify_per_token * (k + 1) + self.draft_cost * k
+        plain = self.step_cost(batch)
+        cost = self.step_cost(batch * (k + 1)) / plain + self.draft_cost * k
         return (1 - p ** (k + 1)) / (1 - p) / cost
 
-    def budget(self) -> int:
-        """Draft tokens to verify this step; 0 means a plain step. Call once per step."""
+    def budget(self, batch: int = 1) -> int:
+        """Draft tokens to verify this step; 0 means a plain step. Call once per step;
+        `batch`: the choices in the step (expected_gain)."""
+        self.batch = max(1, batch)
         if self.pause > 0:
             self.pause -= 1
             self.probing = self.pause == 0
@@ -127,8 +137,8 @@ class AdaptiveGate:
         if self.probing:
             return min(self.sizes)
         best = max([k for k in self.sizes if k <= self.cap] or [min(self.sizes)],
-                   key=self.expected_gain)
-        if self.expected_gain(best) > 1.0:
+                   key=lambda k: self.expected_gain(k, self.batch))
+        if self.expected_gain(best, self.batch) > 1.0:
             return best
         self._pause()
         return 0
@@ -142,7 +152,7 @@ class AdaptiveGate:
         holding = [k for k in self.sizes if k > accepted]
         self.cap = (min(larger, default=max(self.sizes)) if not missed
                     else min(holding, default=max(self.sizes)))
-        if max(self.expected_gain(k) for k in self.sizes) > 1.0:
+        if max(self.expected_gain(k, self.batch) for k in self.sizes) > 1.0:
             self.backoff, self.probing = 1, False
         elif self.probing:
             self.probing = False
