@@ -134,19 +134,35 @@ def _kernel_path(name, artifact):
 
 @pytest.mark.slow  # interpret mode and the emulator run every kernel on the CPU, slowly
 @pytest.mark.parametrize("path", ["pallas-interpret", "metal-emulator"])
-def test_adapters_beside_the_kernels_match_the_reference(artifacts, made, path):
-    """The low-rank term beside the Pallas and Metal kernels (q8_0 base): a batch of alpha, the
-    base and beta, prefill then a decode step, against the reference with the same adapters."""
+def test_adapters_beside_the_kernels_match_the_reference(artifacts, tiny_dir, tmp_path, path):
+    """The low-rank term beside the Pallas and Metal kernels (q8_0 base): a batch of an adapter
+    on all seven projections, the base and one on three, prefill then a decode step, against
+    the reference with the same adapters. The adapters move the logits less than the gates'
+    alpha (whose NMSE vs the base is ~0.45 here): the Pallas kernels' BF16 operands put one
+    prefill row of alpha's at NMSE 0.79, where its designed circuit sits on an edge, the other
+    rows at 1e-4..5e-3, while the Metal kernels (float32 operands) match alpha at 3e-9."""
+    from test_lora import ALL, make_peft_adapter
+
     artifact = open_artifact(artifacts(TINY, "q8_0"))
-    ref = _with_adapters(ReferenceBackend(artifact, BLOCKS), made, artifact.entry)
-    kb = _with_adapters(_kernel_path(path, artifact), made, artifact.entry)
+    specs = {"alpha": (8, 16, ALL, 0.008), "beta": (4, 8, ("q_proj", "v_proj", "down_proj"),
+                                                    0.005)}
+    backends = [ReferenceBackend(artifact, BLOCKS), _kernel_path(path, artifact)]
+    for i, (name, (rank, alpha, targets, b_std)) in enumerate(specs.items()):
+        folder = tmp_path / name
+        make_peft_adapter(tiny_dir, folder, rank, alpha, targets, False, 10 + i, b_std)
+        for backend in backends:
+            backend.add_adapter(load_adapter(folder, artifact.entry, name))
+    ref, kb = backends
     prompts = [_tokens(seed, n) for seed, n in ((1, 9), (2, 12), (3, 14))]
     tables = [(0,), (2,), (4,)]
     want, got = _run(ref, prompts, tables, steps=1), _run(kb, prompts, tables, steps=1)
     bound = gates.calibrated_bound(kb, "reference")
+    errors = {name: gates.nmse(g, w) for name, g, w in zip(ADAPTERS, got, want)}
+    [base] = ref.eval([EvalItem(prompts[0], 0, (6,), len(prompts[0]))])
+    moved = gates.nmse(base, want[0][:len(prompts[0])])
+    print(f"{path}: NMSE vs reference {errors} (bound {bound:.1g}); alpha vs the base {moved:.2g}")
+    assert moved > 3 * bound, "the adapter must move the logits well past the bound"
+    assert all(e <= bound for e in errors.values()), (path, errors)
     for name, g, w in zip(ADAPTERS, got, want):
-        error = gates.nmse(g, w)
-        print(f"{path} {name}: NMSE vs reference {error:.3g} (bound {bound:.1g})")
-        assert error <= bound, (path, name, error)
         differ, ties = gates.argmax_check(g, w)
         assert differ == ties, (path, name, differ, ties)
