@@ -51,6 +51,7 @@ EXIT_GROUP_BROKEN = 3  # the exit status of a rank whose group lost a member
 KEEPALIVE_S = 1.0  # the idle leader's keep-alive interval
 JOIN_TIMEOUT_S = 60.0  # how long a rank waits for the whole ring to connect
 SILENCE_S = 30.0  # a follower that hears nothing this long gives up (the leader is stuck)
+WATCHDOG_MARGIN_S = 2.0  # the join's backstop process fires this much after its thread
 HEADER = 4  # int32 words of a message's header: command, then the body's length
 
 
@@ -332,11 +333,14 @@ def join(group: Group, shard: Shard | None = None) -> Link:
               f"not form within {group.join_timeout_s:g} s; waiting for {others}")
     joined = threading.Event()
     _watchdog(joined, group.join_timeout_s, failed)
+    backstop = _watchdog_process(group.join_timeout_s + WATCHDOG_MARGIN_S, failed)
     try:
         world = mx.distributed.init(strict=True, backend="ring")
     except Exception as e:  # RuntimeError: a peer refused, gave up connecting, ...
         _exit(f"{failed} ({_first_line(e)})")
     joined.set()
+    backstop.stdin.close()  # it stands down
+    backstop.wait()
     if world.size() != len(hosts) or world.rank() != group.rank:
         _exit(f"rank {group.rank}: MLX formed a group of {world.size()} with this process as "
               f"rank {world.rank()}; the hostfile lists {len(hosts)}")
@@ -344,13 +348,32 @@ def join(group: Group, shard: Shard | None = None) -> Link:
 
 
 def _watchdog(done: threading.Event, timeout_s: float, line: str) -> None:
-    """Exit with `line` unless `done` is set within `timeout_s`: a separate thread, which runs
-    while mx.distributed.init blocks (it releases the GIL)."""
+    """Exit with `line` unless `done` is set within `timeout_s` (a thread: it runs while a
+    connecting rank's mx.distributed.init waits, which releases the GIL)."""
     def watch():
         if not done.wait(timeout_s):
             _exit(line)
 
     threading.Thread(target=watch, daemon=True, name="kipp-mlx-join").start()
+
+
+# The backstop: rank 0's init waits for its peers holding the GIL, so no thread of the
+# process runs; this process writes the line and kills it, unless its stdin closes first.
+_WATCHDOG = """
+import os, select, signal, sys
+ready, _, _ = select.select([sys.stdin], [], [], float(sys.argv[2]))
+if not ready:
+    sys.stderr.write(sys.argv[3] + chr(10))
+    sys.stderr.flush()
+    os.kill(int(sys.argv[1]), signal.SIGKILL)
+"""
+
+
+def _watchdog_process(timeout_s: float, line: str):
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout_s),
+                             f"kipp: distributed group broken: {line}"], stdin=subprocess.PIPE)
 
 
 def _where(hosts, rank: int) -> str:
@@ -747,4 +770,8 @@ def _open_rank(path: str, parallel: str, kv_tokens: int, join_timeout_s: float):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as kipp.apple.distributed, not as a second copy named __main__ (whose Parallel and
+    # Command enums would not be the ones the backend compares with)
+    from kipp.apple.distributed import main as _main
+
+    sys.exit(_main())
