@@ -72,7 +72,7 @@ class MLXBackend(Backend):
         self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
         self.shard, self.link = shard, link  # kipp.apple.distributed: one rank of a group
         # this process's share of the weights: views of the mapped artifact, never copies
-        own = artifact if shard is None else _distributed().shard_artifact(artifact, shard)
+        own = artifact if shard is None else shard.view(artifact)
         kv_heads = KV_HEADS if shard is None else shard.kv_heads
         self.choice = _choose(path, kernel_runner)
         gpu = mx.default_device() == mx.gpu
@@ -113,8 +113,8 @@ class MLXBackend(Backend):
                                runner=runner)
         shapes = ()
         if self.shard is not None:
-            shapes = _distributed().projection_shapes(own)
-            checks += _distributed().shard_probes(shapes, runner)
+            shapes, shaped = self.shard.probes(own, runner)
+            checks += shaped
         # the runner and the kernels' sources are part of the key: a test that plants a fault
         # in a source, or runs the kernels another way, meets kernels not probed yet
         key = ("mlx", str(mx.default_device()), runner, probes.sources(self.scheme.name,
@@ -180,7 +180,7 @@ class MLXBackend(Backend):
         """One round, evaluated with the slab: its logits (None on a rank without the head)."""
         r = self._round(inputs)
         if self.shard is not None:
-            return _distributed().run_round(self, r)
+            return self.shard.run(self, r)
         logits = forward.step(self.weights, self.k_cache, self.v_cache, r, self.ops)
         mx.eval(logits, *self.k_cache.arrays(), *self.v_cache.arrays())
         return logits
@@ -282,12 +282,6 @@ class RoundInputs:
     @property
     def decode_only(self) -> bool:
         return all(n == 1 for _, n, _ in self.spans)
-
-
-def _distributed():
-    from kipp.apple import distributed
-
-    return distributed
 
 
 def _choose(path: str, kernel_runner) -> "select.Choice":

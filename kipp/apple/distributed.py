@@ -189,6 +189,19 @@ class Shard:
         """Every tensor-parallel rank starts from the embedding; of a pipeline, the first."""
         return self.parallel is Parallel.TENSOR or self.rank == 0
 
+    # what MLXBackend asks of its shard (so the backend imports nothing of this module)
+
+    def view(self, artifact):
+        return shard_artifact(artifact, self)
+
+    def probes(self, artifact, runner=None) -> tuple:
+        """(shapes, Probes) of this shard's projections (projection_shapes, shard_probes)."""
+        shapes = projection_shapes(artifact)
+        return shapes, shard_probes(shapes, runner)
+
+    def run(self, backend, r):
+        return run_round(backend, r)
+
     def describe(self) -> str:
         where = f"rank {self.rank} of {self.ranks}, {self.parallel.value} parallel"
         if self.parallel is Parallel.PIPELINE:
