@@ -101,6 +101,8 @@ class MLXBackend(Backend):
         self.v_cache = KVSlab(len(own.weights.layers), slots, kv_scheme, kv_heads)
         mx.clear_cache()  # the packing's scratch buffers, freed: back to the OS
         memory.trim_heap()
+        if link is not None:
+            link.barrier()  # every rank's shard is ready before rank 0 shares a round
         log.info("%s (weights prepared in %.1f s)", self.describe(), time.perf_counter() - start)
 
     def _probe(self, fallback: bool, runner, own: Artifact) -> probe.KernelReport:

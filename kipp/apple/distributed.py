@@ -51,6 +51,7 @@ EXIT_GROUP_BROKEN = 3  # the exit status of a rank whose group lost a member
 KEEPALIVE_S = 1.0  # the idle leader's keep-alive interval
 JOIN_TIMEOUT_S = 60.0  # how long a rank waits for the whole ring to connect
 SILENCE_S = 30.0  # a follower that hears nothing this long gives up (the leader is stuck)
+STALL_S = 10.0  # the leader gives up on a round or message the ranks have not finished by then
 WATCHDOG_MARGIN_S = 2.0  # the join's backstop process fires this much after its thread
 HEADER = 4  # int32 words of a message's header: command, then the body's length
 
@@ -409,6 +410,7 @@ class Link:
         self._last = time.monotonic()
         self._stopped = False
         self._keepalive: threading.Thread | None = None
+        self._inflight: tuple[str, float] | None = None  # what the ranks are doing, since when
 
     # -- the leader ---------------------------------------------------------------------------
 
@@ -417,10 +419,19 @@ class Link:
         rank runs the same round), under the lock; returns what `run` returns."""
         with self.lock:
             words = encode(inputs)
-            self._guard("sharing a round", lambda: self._send(Command.STEP, words))
-            result = self._guard("running a round", run)
+            self._guard("sharing a round", lambda: self._send(Command.STEP, words), timed=True)
+            result = self._guard("running a round", run, timed=True)
             self._last = time.monotonic()
             return result
+
+    def barrier(self) -> None:
+        """Every rank has its shard ready (MLXBackend's last step): so no round waits for a
+        rank still loading, under the join's timeout."""
+        ready = threading.Event()
+        _watchdog(ready, JOIN_TIMEOUT_S, f"rank {self.rank} of {self.size}: the other ranks "
+                                         f"did not load within {JOIN_TIMEOUT_S:.0f} s")
+        self._guard("waiting for every rank to load", lambda: self._all_sum(np.ones(1, np.int32)))
+        ready.set()
 
     def start_keepalive(self) -> None:
         """The leader's idle keep-alives (a daemon thread): the other ranks hear within
@@ -429,6 +440,17 @@ class Link:
             self._keepalive = threading.Thread(target=self._keep_alive, daemon=True,
                                                name="kipp-mlx-keepalive")
             self._keepalive.start()
+            threading.Thread(target=self._watch_stalls, daemon=True,
+                             name="kipp-mlx-stalls").start()
+
+    def _watch_stalls(self, stall_s: float = STALL_S) -> None:
+        """A collective over a dead peer mostly fails at once, but not always: one that has
+        not finished within `stall_s` ends the group too."""
+        while not self._stopped:
+            time.sleep(min(0.5, stall_s / 4))
+            inflight = self._inflight
+            if inflight is not None and time.monotonic() - inflight[1] > stall_s:
+                self._broken(f"{inflight[0]} (no answer within {stall_s:.0f} s)", None)
 
     def _keep_alive(self) -> None:
         while not self._stopped:
@@ -490,12 +512,18 @@ class Link:
 
     # -- failures -------------------------------------------------------------------------------
 
-    def _guard(self, what: str, action: Callable[[], object]):
+    def _guard(self, what: str, action: Callable[[], object], timed: bool = False):
+        """`action()`; a failure ends the group. `timed`: the leader's stall watchdog ends it
+        too if the action has not finished within STALL_S (a round, not a wait)."""
+        if timed:
+            self._inflight = (what, time.monotonic())
         try:
             return action()
         except Exception as e:  # RuntimeError: [ring] connection to a peer was lost
             log.debug("distributed failure while %s", what, exc_info=True)
             self._broken(what, e)
+        finally:
+            self._inflight = None
 
     def _broken(self, what: str, error: Exception | None) -> None:
         _exit(f"rank {self.rank} of {self.size}: lost {self.lost()} while {what}"
