@@ -317,19 +317,22 @@ def test_the_kernel_path_runs_at_the_shard_shapes(artifacts, streams):
 
 # -- two ranks as one model ----------------------------------------------------------------------
 
-def compare_group(artifact, tmp_path, parallel, *extra):
+def compare_group(artifact, tmp_path, parallel, prompt_len=20, decode_steps=3):
     """Two ranks against their emulation (bitwise) and the unsharded backend (the gate)."""
-    started, dump = start_group(artifact, tmp_path, "--parallel", parallel, *extra)
+    started, dump = start_group(artifact, tmp_path, "--parallel", parallel, "--prompt-len",
+                                prompt_len, "--decode-steps", decode_steps)
     codes = wait_all(started)
     assert codes == {0: 0, 1: 0}, logs(started)
     got = dict(np.load(dump))
     follower = np.load(dump.with_suffix(".rank1.npz"))
     opened = open_artifact(artifact)
-    emulated = distributed.check_steps(distributed.Emulation(opened, BLOCKS, 2, parallel))
+    emulated = distributed.check_steps(distributed.Emulation(opened, BLOCKS, 2, parallel),
+                                       prompt_len, decode_steps)
     assert len(steps(got)) == len(steps(emulated)) >= 2
     for a, b in zip(steps(got), steps(emulated)):
         assert np.array_equal(a, b)
-    assert_within_gate(got, distributed.check_steps(MLXBackend(opened, BLOCKS)))
+    assert_within_gate(got, distributed.check_steps(MLXBackend(opened, BLOCKS), prompt_len,
+                                                    decode_steps))
     if parallel == "tensor":  # each rank holds half of Q, K and V
         assert int(got["qkv_rows"]) == int(follower["qkv_rows"]) == (
             opened.weights.layers[0].q.shape[0] + 2048) // 2
@@ -344,6 +347,13 @@ def compare_group(artifact, tmp_path, parallel, *extra):
 def test_two_ranks_equal_their_emulation_bitwise(artifacts, tmp_path, streams, parallel,
                                                  scheme):
     compare_group(artifacts(TINY, scheme), tmp_path, parallel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+def test_two_ranks_qwen3_06b_shape(artifacts, tmp_path, streams, parallel):
+    compare_group(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path, parallel,
+                  prompt_len=12, decode_steps=2)
 
 
 # -- failure: never a hang ------------------------------------------------------------------------
