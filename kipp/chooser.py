@@ -76,3 +76,27 @@ def open_backend(name: str, artifact, num_blocks: int, **options):
     else:
         raise KippError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
     return make_backend(artifact, num_blocks, **options)
+
+
+def group_runtime(backend: str):
+    """The module that runs `backend` over several processes (kipp.cuda.distributed for
+    "jax", kipp.apple.distributed for "mlx"): its Group, join and follow."""
+    if backend == "jax":
+        from kipp.cuda import distributed
+    elif backend == "mlx":
+        from kipp.apple import distributed
+    else:
+        raise KippError(f"distributed needs backend='jax' or backend='mlx' (got {backend!r})")
+    return distributed
+
+
+def jax_group_mesh(parallel: str):
+    """The mesh a JAX group's processes place the model on: every device in tensor parallel,
+    or one pipeline stage per process with tensor parallel over its own devices."""
+    import jax
+
+    from kipp.cuda import sharding
+
+    if parallel == "pipeline":
+        return sharding.make_pipeline_mesh(tensor=jax.local_device_count())
+    return sharding.make_mesh()

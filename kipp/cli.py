@@ -88,11 +88,7 @@ def _describe(path) -> None:
 def _load(args):
     from kipp.model import load
 
-    distributed = None
-    if getattr(args, "distributed", False):
-        from kipp.cuda.distributed import Group
-
-        distributed = Group.resolve(args.coordinator, args.num_processes, args.process_id)
+    distributed = _group(args) if getattr(args, "distributed", False) else None
     model = load(args.model, backend=args.backend, scheme=args.scheme, distributed=distributed,
                  parallel=getattr(args, "parallel", "tensor"),
                  kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
@@ -104,6 +100,23 @@ def _load(args):
     if hasattr(args, "kv_disk_mib"):
         _attach_disk(model, args)
     return model
+
+
+def _group(args):
+    """--distributed's group: MLX's (rank and hostfile) for --backend mlx, else JAX's."""
+    from kipp.chooser import group_runtime
+
+    if args.backend == "mlx":
+        Group = group_runtime("mlx").Group
+        if args.coordinator is not None:
+            raise KippError("--coordinator is for --backend jax; MLX ranks find each other "
+                            "through --hostfile (or MLX_HOSTFILE)")
+        return Group.resolve(args.process_id, args.hostfile, args.num_processes)
+    Group = group_runtime("jax").Group
+
+    if args.hostfile is not None:
+        raise KippError("--hostfile is for --backend mlx; JAX processes meet at --coordinator")
+    return Group.resolve(args.coordinator, args.num_processes, args.process_id)
 
 
 def _lora_adapters(specs) -> dict | None:
@@ -299,9 +312,9 @@ def _serve(args) -> None:
     model = _load(args)
     link = getattr(model.backend, "link", None)
     if link is not None and not link.leader:  # a follower: runs process 0's steps, no HTTP
-        from kipp.cuda.distributed import follow
+        from kipp.chooser import group_runtime
 
-        follow(model.backend)
+        group_runtime(model.backend.name).follow(model.backend)
         return
     try:
         _serve_model(model, args, access)
@@ -601,7 +614,7 @@ def _add_serve_command(commands) -> None:
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="allow browser requests from this origin (repeat; '*' for any); "
                    "off by default")
-    group = p.add_argument_group("distributed (--backend jax; docs/distributed.md)")
+    group = p.add_argument_group("distributed (--backend jax or mlx; docs/distributed.md)")
     group.add_argument("--distributed", action="store_true", help="one of several processes "
                        "holding the model together; process 0 serves HTTP")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address for "
@@ -609,7 +622,10 @@ def _add_serve_command(commands) -> None:
     group.add_argument("--num-processes", type=_at_least(1), help="processes in the group "
                        "(default: JAX_NUM_PROCESSES or SLURM_NTASKS)")
     group.add_argument("--process-id", type=_at_least(0), help="this process's rank "
-                       "(default: JAX_PROCESS_ID or SLURM_PROCID)")
+                       "(default: JAX_PROCESS_ID or SLURM_PROCID; MLX: MLX_RANK)")
+    group.add_argument("--hostfile", metavar="FILE", help="--backend mlx: the ring's JSON "
+                       "list of each rank's [\"IP:PORT\"] (default: MLX_HOSTFILE, which "
+                       "mlx.launch sets)")
     group.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
                        help="tensor: every layer split over every device; pipeline: a range "
                        "of the layers per process (hosts on a slow link)")

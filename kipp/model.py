@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from kipp.backend import KV_BLOCK, blocks_needed
-from kipp.chooser import BACKENDS, choose_backend, open_backend  # noqa: F401  (BACKENDS: API)
+from kipp.chooser import BACKENDS, choose_backend, group_runtime, jax_group_mesh, open_backend  # noqa: F401  (BACKENDS: API)
 from kipp.display import count, html_view, text_view
 from kipp.engine.blocks import BlockPool
 from kipp.engine.draft import spec_config
@@ -72,17 +72,19 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `kv_disk_mib` MiB (default: a quarter of the free disk); a later process reuses them.
     `adapters` {"name": folder} loads LoRA adapters (PEFT or mlx-lm, kipp.lora.adapter) trained
     on this checkpoint; `generate(..., adapter="name")` and `session(adapter="name")` use one.
-    `distributed` (backend "jax"; True: the group from JAX's or SLURM's environment, or a
-    kipp.cuda.distributed.Group) joins a group of processes that hold the model together
-    (docs/distributed.md): process 0's Model serves; on every other process hand the Model to
-    kipp.cuda.distributed.follow, which returns when process 0 stops the group. `parallel`
-    "tensor" splits every layer over every device; "pipeline" gives each process a range of
-    the layers (tensor parallel over its own devices), for hosts joined by a slow link.
+    `distributed` (backend "jax": True, the group from JAX's or SLURM's environment, or a
+    kipp.cuda.distributed.Group; backend "mlx": True, the rank and hostfile from MLX_RANK and
+    MLX_HOSTFILE, or a kipp.apple.distributed.Group) joins a group of processes that hold the
+    model together (docs/distributed.md): process 0's Model serves; on every other process hand
+    the Model to the backend's `follow` (kipp.cuda.distributed, kipp.apple.distributed), which
+    returns when process 0 stops the group. `parallel` "tensor" splits every layer over every
+    device; "pipeline" gives each process a range of the layers (on JAX tensor parallel over
+    its own devices), for hosts joined by a slow link.
     Every argument is checked before any download, conversion or allocation."""
     _check_load_arguments(backend, scheme, kv_tokens, kv_scheme, kv_mib)
     if parallel not in PARALLEL:
         raise KippError(f"unknown parallel {parallel!r}; choose from {', '.join(PARALLEL)}")
-    # the group is joined before JAX's first call
+    # JAX's group is joined before JAX's first call; MLX's once its shard is known to fit
     link = _join_group(distributed, backend, draft, kv_cache_dir, adapters)
     _check_disk_arguments(kv_cache_dir, kv_disk_mib)
     _check_adapter_arguments(adapters)
@@ -93,14 +95,11 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if kv_mib is not None:
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
-    if link is not None:
-        import jax
-
-        from kipp.cuda import sharding
-
-        mesh = (sharding.make_pipeline_mesh(tensor=jax.local_device_count())
-                if parallel == "pipeline" else sharding.make_mesh())
-        options.update(mesh=mesh, link=link)
+    if link is not None and choice.name == "mlx":
+        link = _join_mlx_group(link, artifact, parallel)
+        options.update(shard=link.shard, link=link)
+    elif link is not None:
+        options.update(mesh=jax_group_mesh(parallel), link=link)
     if weight_memory != "auto":
         options["weight_memory"] = weight_memory
     # the tokenizer first: building its tables takes ~40 MiB of scratch at Qwen3's vocabulary,
@@ -129,21 +128,36 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
 
 
 def _join_group(distributed, backend: str, draft, kv_cache_dir, adapters):
-    """The distributed group's link (joined), or None when `distributed` is not asked."""
+    """JAX's distributed group's link (joined), MLX's Group (checked; joined by
+    _join_mlx_group), or None when `distributed` is not asked."""
     if distributed is None or distributed is False:
         return None
-    if backend != "jax":
-        raise KippError(f"distributed needs backend='jax' (got {backend!r})")
+    if backend not in ("jax", "mlx"):
+        raise KippError(f"distributed needs backend='jax' or backend='mlx' (got {backend!r})")
     if draft is not None or kv_cache_dir is not None or adapters:
         raise KippError("distributed does not take a draft model, kv_cache_dir or adapters yet")
-    from kipp.cuda import distributed as group_runtime
-
-    group = group_runtime.Group.resolve() if distributed is True else distributed
-    if not isinstance(group, group_runtime.Group):
+    runtime = group_runtime(backend)
+    if backend == "mlx":
+        group = runtime.Group.resolve() if distributed is True else distributed
+        if not isinstance(group, runtime.Group):
+            raise KippError("with backend='mlx', distributed must be True or a "
+                            f"kipp.apple.distributed.Group, not {distributed!r}")
+        group.check()
+        return group
+    group = runtime.Group.resolve() if distributed is True else distributed
+    if not isinstance(group, runtime.Group):
         raise KippError("distributed must be True or a kipp.cuda.distributed.Group, "
                         f"not {distributed!r}")
     group.check()
-    return group_runtime.join(group)
+    return runtime.join(group)
+
+
+def _join_mlx_group(group, artifact: Artifact, parallel: str):
+    """MLX's group joined, once this rank's shard of the checkpoint is planned (a model that
+    does not split that way is refused before any rank waits for another)."""
+    runtime = group_runtime("mlx")
+    shard = runtime.plan_shard(artifact.entry, group.rank, group.size, parallel)
+    return runtime.join(group, shard)
 
 
 def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:

@@ -36,14 +36,16 @@ class AttentionError(KippError, ValueError):
 
 
 def attention_twin(q: mx.array, keys: mx.array, values: mx.array, streams=(None,)) -> mx.array:
-    """q [n, H, 128] (the last n of P positions); keys, values [P, 8, 128] -> [n, H * 128].
+    """q [n, H, 128] (the last n of P positions); keys, values [P, 8, 128] (or a rank's
+    share of the KV heads and the matching query heads) -> [n, H * 128].
 
     With several CPU streams the KV heads are split into contiguous ranges, one per stream
     (a KV head and its G query heads stay together), each its own SDPA call: the same
     per-head arithmetic, so bitwise the one-call result, on every core."""
     n, heads = q.shape[0], q.shape[1]
-    group = heads // KV_HEADS
-    bounds = [(KV_HEADS * i // len(streams), KV_HEADS * (i + 1) // len(streams))
+    kv_heads = keys.shape[1]  # fewer than KV_HEADS on a tensor-parallel rank
+    group = heads // kv_heads
+    bounds = [(kv_heads * i // len(streams), kv_heads * (i + 1) // len(streams))
               for i in range(len(streams))]
     outs = []
     for stream, (lo, hi) in zip(streams, bounds):

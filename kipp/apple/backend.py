@@ -13,12 +13,16 @@ replaced by its twin with a warning (fallback=False or KIPP_KERNEL_FALLBACK=0 ra
 The weights are prepared once in the path's layout (kipp.apple.layout) and the KV slab
 allocated once (kipp.apple.kvcache). `eval` splits the items into rounds (kipp.engine.rounds),
 builds one lazy MLX graph per round, and evaluates the requested logits with the slab.
+With a `shard` (kipp.apple.distributed.Shard) the backend holds one rank's share of the
+model, prepared from views of the artifact's shard rows and columns; its `link` shares each
+round's inputs with the other ranks, which run the same round.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -29,7 +33,7 @@ from kipp.backend import KV_BLOCK, Backend, EvalItem, blocks_needed
 from kipp.engine.rounds import Piece, plan_rounds
 from kipp.errors import KippError
 from kipp.formats.artifact import Artifact
-from kipp.formats.registry import VOCAB_SIZE
+from kipp.formats.registry import KV_HEADS, VOCAB_SIZE
 from kipp.rope import rope_tables
 
 try:  # kipp.model imports make_backend on any machine; MLX itself may be missing
@@ -58,12 +62,18 @@ class MLXBackend(Backend):
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  kv_scheme: str = "bf16", max_round_tokens: int = MAX_ROUND_TOKENS,
                  weight_memory: str = "auto", fallback: bool | None = None,
-                 kernel_runner=None):
+                 kernel_runner=None, shard=None, link=None):
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         if max_round_tokens < 1:
             raise KippError(f"max_round_tokens must be positive, got {max_round_tokens}")
+        if link is not None and shard is None:
+            raise KippError("a distributed MLXBackend needs its shard")
         self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
+        self.shard, self.link = shard, link  # kipp.apple.distributed: one rank of a group
+        # this process's share of the weights: views of the mapped artifact, never copies
+        own = artifact if shard is None else shard.view(artifact)
+        kv_heads = KV_HEADS if shard is None else shard.kv_heads
         self.choice = _choose(path, kernel_runner)
         gpu = mx.default_device() == mx.gpu
         self.device = "gpu" if gpu else "cpu"
@@ -74,32 +84,44 @@ class MLXBackend(Backend):
         fallback = probe.fallback_enabled(fallback)
         # The kernels read the stored format, and so do the twins that replace them (a GPU)
         self.memory = memory.choose_weight_memory(
-            weight_memory, gpu=gpu or self.choice.kernels, float32_bytes=_float32_bytes(artifact))
-        self.kernels = (self._probe(fallback, kernel_runner) if self.choice.kernels
+            weight_memory, gpu=gpu or self.choice.kernels, float32_bytes=_float32_bytes(own))
+        self.kernels = (self._probe(fallback, kernel_runner, own) if self.choice.kernels
                         else probe.KernelReport())
+        # a probe at a shard's shape ("matvec/q8_0@1024x1024") that fails: the variant's twin
+        twins = {name.split("@")[0] for name in self.kernels.fell_back}
+        if kv_heads != KV_HEADS:  # the decode kernel's slab rows are 8 KV heads wide
+            twins.add(f"decode_attention/{kv_scheme}")
         self.ops = forward.Ops(self.choice.kernels, select.cpu_streams(gpu), kernel_runner,
-                               frozenset(self.kernels.fell_back))
+                               frozenset(twins), kv_heads)
         start = time.perf_counter()
-        self.weights = _prepare(artifact, self.choice.kernels, len(self.ops.streams),
-                                self.memory.mode == "stored")
+        self.weights = _prepare(own, self.choice.kernels, len(self.ops.streams),
+                                self.memory.mode == "stored",
+                                head=shard is None or shard.holds_head)
         slots = num_blocks * KV_BLOCK
-        self.k_cache = KVSlab(entry.layers, slots, kv_scheme)
-        self.v_cache = KVSlab(entry.layers, slots, kv_scheme)
+        self.k_cache = KVSlab(len(own.weights.layers), slots, kv_scheme, kv_heads)
+        self.v_cache = KVSlab(len(own.weights.layers), slots, kv_scheme, kv_heads)
         mx.clear_cache()  # the packing's scratch buffers, freed: back to the OS
         memory.trim_heap()
+        if link is not None:
+            link.barrier()  # every rank's shard is ready before rank 0 shares a round
         log.info("%s (weights prepared in %.1f s)", self.describe(), time.perf_counter() - start)
 
-    def _probe(self, fallback: bool, runner) -> probe.KernelReport:
+    def _probe(self, fallback: bool, runner, own: Artifact) -> probe.KernelReport:
         """Every kernel variant this checkpoint uses, against its twin (kipp.apple.probe), run
-        by `runner` (kipp.apple.metal; None: MLX on Metal), which is part of the cache key."""
+        by `runner` (kipp.apple.metal; None: MLX on Metal), which is part of the cache key.
+        A shard's projections are probed at the shard's own shapes too."""
         from kipp.apple import probe as probes
 
         checks = probes.probes(self.scheme.name, self.kv_scheme, self.entry.query_heads,
                                runner=runner)
+        shapes = ()
+        if self.shard is not None:
+            shapes, shaped = self.shard.probes(own, runner)
+            checks += shaped
         # the runner and the kernels' sources are part of the key: a test that plants a fault
         # in a source, or runs the kernels another way, meets kernels not probed yet
         key = ("mlx", str(mx.default_device()), runner, probes.sources(self.scheme.name,
-                                                                       self.kv_scheme))
+                                                                       self.kv_scheme), shapes)
         report = probe.run_probes(checks, key, fallback, log)
         log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
         return report
@@ -112,8 +134,9 @@ class MLXBackend(Backend):
         streams = len(self.ops.streams)
         where = f", {streams} CPU streams" if self.device == "cpu" and streams > 1 else ""
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
+        rank = "" if self.shard is None else f"; {self.shard.describe()}"
         return (f"mlx ({self.choice.label} on {self.device}: {self.choice.reason}; "
-                f"{layout}{where}{kv})")
+                f"{layout}{where}{kv}{rank})")
 
     def kernel_report(self) -> probe.KernelReport:
         return self.kernels
@@ -145,14 +168,25 @@ class MLXBackend(Backend):
         self.check(items)
         outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
         for pieces in plan_rounds(items, self.max_round_tokens):
-            r, dests = self._pack(items, pieces)
-            logits = forward.step(self.weights, self.k_cache, self.v_cache, r, self.ops)
-            mx.eval(logits, *self.k_cache.arrays(), *self.v_cache.arrays())
+            inputs, dests = self._plan(items, pieces)
+            if self.link is not None:  # the other ranks run the same round on the same inputs
+                logits = self.link.step(inputs, lambda: self.run(inputs))
+            else:
+                logits = self.run(inputs)
             if dests:
                 host = np.asarray(logits)
                 for row, (item, index) in enumerate(dests):
                     outputs[item][index] = host[row]
         return outputs
+
+    def run(self, inputs: "RoundInputs") -> "mx.array | None":
+        """One round, evaluated with the slab: its logits (None on a rank without the head)."""
+        r = self._round(inputs)
+        if self.shard is not None:
+            return self.shard.run(self, r)
+        logits = forward.step(self.weights, self.k_cache, self.v_cache, r, self.ops)
+        mx.eval(logits, *self.k_cache.arrays(), *self.v_cache.arrays())
+        return logits
 
     def _adapters_changed(self) -> None:
         """The loaded adapters stacked per layer (kipp.lora.apply.stack_adapters) as MLX
@@ -188,8 +222,9 @@ class MLXBackend(Backend):
         return dict(adapter_rows=mx.array(hot.astype(np.float32)),
                     adapter_active=forward.as_int32(active), adapter_rank=rank)
 
-    def _pack(self, items: Sequence[EvalItem], pieces: Sequence[Piece]):
-        """The one place items become MLX arrays: (Round, [(item, output row)] per logits row)."""
+    def _plan(self, items: Sequence[EvalItem], pieces: Sequence[Piece]):
+        """The one place items become a round's inputs: (RoundInputs, [(item, output row)] per
+        logits row)."""
         tokens, positions, slots, spans, rows, dests = [], [], [], [], [], []
         row = 0
         for p in pieces:
@@ -200,30 +235,64 @@ class MLXBackend(Backend):
             tokens.append(np.asarray(item.tokens[p.start:p.stop], np.int64))
             positions.append(pos)
             slots.append(visible[pos])
-            spans.append((row, n, visible))
+            spans.append((row, n, np.asarray(visible, np.int32)))
             first = len(item.tokens) - item.logits_rows
             for t in range(max(p.start, first), p.stop):
                 rows.append(row + t - p.start)
                 dests.append((p.item, t - first))
             row += n
-        tokens, positions = np.concatenate(tokens), np.concatenate(positions)
-        cos, sin = rope_tables(positions, self.entry.rope_theta)
-        x = self.artifact.weights.token_embd.bf16()[tokens].astype(np.float32)
-        r = forward.Round(
-            x=mx.array(x), cos=mx.array(cos), sin=mx.array(sin),
-            slots=forward.as_int32(np.concatenate(slots)),
-            pieces=[(start, n, forward.as_int32(v)) for start, n, v in spans],
-            logit_rows=forward.as_int32(rows if rows else [0]),
-            decode_only=all(n == 1 for _, n, _ in spans),
-            **self._round_adapters(items, pieces))
-        if r.decode_only and self.choice.kernels:
+        inputs = RoundInputs(np.concatenate(tokens), np.concatenate(positions),
+                             np.concatenate(slots).astype(np.int32), spans,
+                             np.asarray(rows if rows else [0], np.int32),
+                             adapters=self._round_adapters(items, pieces))
+        if inputs.decode_only and self.choice.kernels:
             blocks = [blocks_needed(len(v)) for _, _, v in spans]
             tables = np.zeros((len(pieces), max(blocks)), np.int32)  # 0-padded: never read
             for s, (p, used) in enumerate(zip(pieces, blocks)):
                 tables[s, :used] = items[p.item].block_table[:used]
-            r.tables = mx.array(tables)
-            r.lengths = forward.as_int32([len(v) for _, _, v in spans])
-        return r, dests
+            inputs.tables = tables
+            inputs.lengths = np.asarray([len(v) for _, _, v in spans], np.int32)
+        return inputs, dests
+
+    def _pack(self, items: Sequence[EvalItem], pieces: Sequence[Piece]):
+        """(Round, [(item, output row)] per logits row): _plan's inputs as MLX arrays."""
+        inputs, dests = self._plan(items, pieces)
+        return self._round(inputs), dests
+
+    def _round(self, inputs: "RoundInputs") -> forward.Round:
+        """A round's inputs as MLX arrays. A pipeline stage after the first gets its hidden
+        state from the stage before it, so it looks up no embedding."""
+        embeds = self.shard is None or self.shard.embeds
+        x = (self.artifact.weights.token_embd.bf16()[inputs.tokens].astype(np.float32)
+             if embeds else None)
+        cos, sin = rope_tables(inputs.positions, self.entry.rope_theta)
+        r = forward.Round(
+            x=None if x is None else mx.array(x), cos=mx.array(cos), sin=mx.array(sin),
+            slots=forward.as_int32(inputs.slots),
+            pieces=[(start, n, forward.as_int32(v)) for start, n, v in inputs.spans],
+            logit_rows=forward.as_int32(inputs.rows), decode_only=inputs.decode_only,
+            **inputs.adapters)
+        if inputs.tables is not None:
+            r.tables, r.lengths = mx.array(inputs.tables), mx.array(inputs.lengths)
+        return r
+
+
+@dataclass
+class RoundInputs:
+    """One round's inputs as host arrays: what rank 0 shares with the other ranks."""
+
+    tokens: np.ndarray  # [T] token ids
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T] int32 slab rows this round's K/V go to
+    spans: list  # (first token row, tokens, visible slots int32 [P]) per piece
+    rows: np.ndarray  # [R] int32 token rows whose logits are returned
+    tables: np.ndarray | None = None  # [S, B] int32, kernel decode rounds only
+    lengths: np.ndarray | None = None  # [S] int32, kernel decode rounds only
+    adapters: dict = field(default_factory=dict)  # Round's LoRA fields (never distributed)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for _, n, _ in self.spans)
 
 
 def _choose(path: str, kernel_runner) -> "select.Choice":
@@ -256,11 +325,12 @@ def _float32_bytes(artifact: Artifact) -> int:
     return 4 * count
 
 
-def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool) -> forward.Weights:
+def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool,
+             head: bool = True) -> forward.Weights:
     """Kernels: the seven projections as stored ("q" ... "down"). Twins: "qkv" stacked, "o",
     and "ffn" split tensor-parallel over the streams (kipp.apple.linear), float32 or `stored`.
     Each tensor's mapped pages are released once copied: file and copies are never both
-    resident (peak RSS)."""
+    resident (peak RSS). `head` False: no output head (a rank whose logits nobody reads)."""
     w = artifact.weights
     layers = []
     for layer in w.layers:
@@ -277,16 +347,21 @@ def _prepare(artifact: Artifact, kernels: bool, n_shards: int, stored: bool) -> 
         artifact.release(*(getattr(layer, name) for name in PROJECTIONS))
         layers.append(params)
     # the head is the largest tensor (the 0.6B's: 297 MiB): its rows' pages go as copied
-    head = (layout.prepare(w.output, True) if kernels else
-            layout.prepare_twin([w.output], n_shards, stored, artifact.release_view))
-    weights = forward.Weights(layers, mx.array(w.output_norm.f32()), head)
+    if not head:
+        output = None
+    elif kernels:
+        output = layout.prepare(w.output, True)
+    else:
+        output = layout.prepare_twin([w.output], n_shards, stored, artifact.release_view)
+    weights = forward.Weights(layers, mx.array(w.output_norm.f32()), output)
     mx.eval(_arrays(weights))
-    artifact.release(w.output)
+    if head:
+        artifact.release(w.output)
     return weights
 
 
 def _arrays(w: forward.Weights) -> list[mx.array]:
-    out = [w.output_norm] + w.head.arrays()
+    out = [w.output_norm] + ([] if w.head is None else w.head.arrays())
     for params in w.layers:
         for value in params.values():
             out += [value] if isinstance(value, mx.array) else value.arrays()

@@ -40,6 +40,7 @@ class Ops:
     stream_count: int = 1  # twin projections: one shard per CPU stream
     runner: object = None  # who runs the kernels' Metal source (kipp.apple.metal; None: MLX)
     twins: frozenset = frozenset()  # kernel variants replaced by twins ("matvec/q8_0", ...)
+    kv_heads: int = KV_HEADS  # KV heads this process holds (fewer on a tensor-parallel rank)
 
     @property
     def streams(self) -> tuple:
@@ -59,7 +60,7 @@ class Ops:
         if self.kernels:
             return self.linear(h, p["q"]), self.linear(h, p["k"]), self.linear(h, p["v"])
         qkv = self.linear(h, p["qkv"])
-        kv = KV_HEADS * HEAD_DIM
+        kv = self.kv_heads * HEAD_DIM
         return mx.split(qkv, [qkv.shape[-1] - 2 * kv, qkv.shape[-1] - kv], axis=-1)
 
     def ffn(self, h: mx.array, p: dict) -> mx.array:
@@ -148,11 +149,23 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 
 def step(w: Weights, k: KVSlab, v: KVSlab, r: Round, ops: Ops) -> mx.array:
     """The round's logits [R, vocab] float32 (lazy); stores the round's K/V in the slabs."""
-    x = r.x
+    return head(w, layers(w, k, v, r, ops, r.x), r, ops)
+
+
+def layers(w: Weights, k: KVSlab, v: KVSlab, r: Round, ops: Ops, x: mx.array,
+           reduce=None) -> mx.array:
+    """The hidden state [T, hidden] after this process's layers (w.layers; the slabs hold
+    just those), from `x`. `reduce` adds a block's partial output over the tensor-parallel
+    ranks (kipp.apple.distributed); None: the output is whole."""
     for index, layer in enumerate(w.layers):
-        lora = _round_lora(w.lora[index], r) if w.lora is not None and r.adapter_rows is not None \
-            else None
-        x = _layer(index, layer, x, k, v, r, ops, lora)
+        lora = (_round_lora(w.lora[index], r) if w.lora is not None
+                and r.adapter_rows is not None else None)
+        x = _layer(index, layer, x, k, v, r, ops, lora, reduce)
+    return x
+
+
+def head(w: Weights, x: mx.array, r: Round, ops: Ops) -> mx.array:
+    """The final norm and the output head for the round's logit rows: [R, vocab]."""
     h = rms_norm(x[r.logit_rows], w.output_norm)
     return ops.linear(h, w.head)
 
@@ -164,29 +177,45 @@ def _round_lora(layer: dict, r: Round) -> dict:
     return {name: (a[sel, :rank], b[sel, :rank]) for name, (a, b) in layer.items()}
 
 
-def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops, lora=None):
+def _layer(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops, lora=None,
+           reduce=None):
     """One layer; `lora`: this layer's adapters (Weights.lora), their rows in r.adapter_rows."""
+    reduce = reduce or (lambda y: y)
+    x = x + reduce(attention_out(index, p, x, k, v, r, ops, lora))           # (6)
+    return x + reduce(ffn_out(p, x, r, ops, lora))                           # (9)
+
+
+def _adapted(y, x, name, lora, r: Round):
+    """W x + s * B (A x) for the rows of each adapter."""
+    return y if lora is None else linear.plus(y, linear.low_rank(x, lora.get(name),
+                                                                 r.adapter_rows))
+
+
+def attention_out(index: int, p: dict, x, k: KVSlab, v: KVSlab, r: Round, ops: Ops,
+                  lora=None) -> mx.array:
+    """Steps (1) to (6) but the residual: the output projection of the layer's attention
+    (over this process's heads only on a tensor-parallel rank: a partial sum)."""
     t = x.shape[0]
-
-    def adapted(y, x, name):  # W x + s * B (A x) for the rows of each adapter
-        return y if lora is None else linear.plus(y, linear.low_rank(x, lora.get(name),
-                                                                     r.adapter_rows))
-
     h = rms_norm(x, p["attn_norm"])                                             # (1)
     q, kk, vv = ops.qkv(h, p)                                                   # (2)
-    q, kk, vv = adapted(q, h, "q"), adapted(kk, h, "k"), adapted(vv, h, "v")
+    q, kk, vv = (_adapted(q, h, "q", lora, r), _adapted(kk, h, "k", lora, r),
+                 _adapted(vv, h, "v", lora, r))
     q = q.reshape(t, -1, HEAD_DIM)                                              # [T, H, 128]
-    kk, vv = kk.reshape(t, KV_HEADS, HEAD_DIM), vv.reshape(t, KV_HEADS, HEAD_DIM)  # [T, 8, 128]
+    kk, vv = kk.reshape(t, -1, HEAD_DIM), vv.reshape(t, -1, HEAD_DIM)           # [T, 8, 128]
     q = apply_rope(rms_norm(q, p["q_norm"]), r.cos, r.sin)                      # (3), (4)
     kk = apply_rope(rms_norm(kk, p["k_norm"]), r.cos, r.sin)
     k.store(index, kk, r.slots)                                                 # (5)
     v.store(index, vv, r.slots)
     attn = ops.attention(q, k, v, index, r)                                     # [T, H * 128]
-    x = x + adapted(ops.linear(attn, p["o"]), attn, "o")                        # (6)
+    return _adapted(ops.linear(attn, p["o"]), attn, "o", lora, r)
+
+
+def ffn_out(p: dict, x, r: Round, ops: Ops, lora=None) -> mx.array:
+    """Steps (7) and (8): the feed-forward block's output (a partial sum on a rank)."""
     h = rms_norm(x, p["ffn_norm"])                                              # (7)
     if lora is not None and any(name in lora for name in ("gate", "up", "down")):
-        return x + ops.ffn_lora(h, p, lora, r.adapter_rows)                     # (8), (9)
-    return x + ops.ffn(h, p)
+        return ops.ffn_lora(h, p, lora, r.adapter_rows)                         # (8)
+    return ops.ffn(h, p)
 
 
 def as_int32(values) -> mx.array:

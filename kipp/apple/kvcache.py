@@ -28,17 +28,17 @@ from kipp.formats.registry import HEAD_DIM, KV_HEADS
 class KVSlab:
     """One layer stack of K or V (see module docstring)."""
 
-    def __init__(self, layers: int, slots: int, scheme: str = "bf16"):
+    def __init__(self, layers: int, slots: int, scheme: str = "bf16", kv_heads: int = KV_HEADS):
         if scheme not in SCHEMES:
             raise KippError(f"unknown kv_scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
         self.scheme = scheme
-        shape = (slots, KV_HEADS, HEAD_DIM)
+        shape = (slots, kv_heads, HEAD_DIM)  # a tensor-parallel rank holds its KV heads only
         if scheme == "bf16":
             self.data = [mx.zeros(shape, mx.bfloat16) for _ in range(layers)]
             self.scales = None
         else:
             self.data = [mx.zeros(shape, mx.int8) for _ in range(layers)]
-            self.scales = [mx.zeros((slots, KV_HEADS, ROW_BLOCKS), mx.float16)
+            self.scales = [mx.zeros((slots, kv_heads, ROW_BLOCKS), mx.float16)
                            for _ in range(layers)]
         mx.eval(self.arrays())
 
