@@ -23,7 +23,13 @@ from typing import Sequence
 import numpy as np
 
 from kipp.backend import KV_BLOCK, blocks_needed
-from kipp.chooser import BACKENDS, choose_backend, group_runtime, jax_group_mesh, open_backend  # noqa: F401  (BACKENDS: API)
+from kipp.chooser import (
+    BACKENDS,  # noqa: F401  (the API's list of backends)
+    choose_backend,
+    group_runtime,
+    jax_group_mesh,
+    open_backend,
+)
 from kipp.display import count, html_view, text_view
 from kipp.engine.blocks import BlockPool
 from kipp.engine.draft import spec_config

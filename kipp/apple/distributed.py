@@ -560,7 +560,7 @@ def encode(inputs) -> np.ndarray:
     """RoundInputs as one int32 vector: T, pieces, R, table width (0: no tables), then the
     tokens, positions and slots, each piece's (first row, tokens, visible count, visible slots),
     the logit rows, and the kernels' tables and lengths."""
-    if inputs.adapter_rows is not None:
+    if inputs.adapters:
         raise KippError("a distributed round cannot carry LoRA adapter rows")
     width = 0 if inputs.tables is None else inputs.tables.shape[1]
     parts = [[len(inputs.tokens), len(inputs.spans), len(inputs.rows), width],
