@@ -179,7 +179,15 @@ def _kipp(*argv, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "kipp.cli", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_default_sigint, **kwargs)
+
+
+def _default_sigint() -> None:
+    """The child gets SIGINT as a user's shell gives it: a child inherits an ignored or blocked
+    signal from this pytest process, whatever earlier tests' libraries left there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _wait_for_output(proc: subprocess.Popen, timeout: float = 300) -> bytes:
