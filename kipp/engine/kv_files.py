@@ -114,8 +114,8 @@ def artifact_checksum(path: Path, memo: Path | None = None) -> str:
             tmp = memo.with_name(f".tmp-{os.getpid()}-memo")
             tmp.write_text(json.dumps(known))
             os.replace(tmp, memo)
-        except OSError:
-            pass  # a read-only folder: hash again next time
+        except OSError as e:  # a read-only folder: the checksum is computed again next time
+            log.debug("artifact checksum memo not written: %s", e)
     return h.hexdigest()
 
 
