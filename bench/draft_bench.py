@@ -63,8 +63,11 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
 
     compiled = _compiled(model, spec)
     scheduler = Scheduler(model, max_batch=max(8, len(prompts_)), speculative=spec or False)
+    # A seeded request on a batch-variant backend runs alone (kipp.engine.choices), so sampled
+    # streams of a batch go unseeded: they share the rounds, as a server's requests do.
+    seeds = [seed + i if len(prompts_) == 1 else None for i in range(len(prompts_))]
     tickets = [scheduler.submit(Request(tuple(p), tokens, sampling=SamplingParams(
-        temperature=temperature, seed=seed + i))) for i, p in enumerate(prompts_)]
+        temperature=temperature, seed=s))) for p, s in zip(prompts_, seeds)]
     while any(r.prompt_done_at is None for r in scheduler._running) or scheduler._fifo:
         scheduler.step()
     start = time.perf_counter()
