@@ -65,9 +65,9 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
     scheduler = Scheduler(model, max_batch=max(8, len(prompts_)), speculative=spec or False)
     # A seeded request on a batch-variant backend runs alone (kipp.engine.choices), so sampled
     # streams of a batch go unseeded: they share the rounds, as a server's requests do.
-    seeds = [seed + i if len(prompts_) == 1 else None for i in range(len(prompts_))]
+    alone = seed if len(prompts_) == 1 else None
     tickets = [scheduler.submit(Request(tuple(p), tokens, sampling=SamplingParams(
-        temperature=temperature, seed=s))) for p, s in zip(prompts_, seeds)]
+        temperature=temperature, seed=alone))) for p in prompts_]
     while any(r.prompt_done_at is None for r in scheduler._running) or scheduler._fifo:
         scheduler.step()
     start = time.perf_counter()
