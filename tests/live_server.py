@@ -32,10 +32,20 @@ class LiveServer:
                 break
         else:
             raise RuntimeError("kipp serve did not start:\n" + "".join(self.log))
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain the log
+        threading.Thread(target=self._drain, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {}  # sent with every raw request (an API key, say)
         assert self.get("/health")[0] == 200
+
+    def _drain(self):
+        """Keep reading the log (so the server never blocks on a full pipe), holding its tail
+        for a failing test to show."""
+        for line in self.proc.stderr:
+            self.log.append(line)
+            del self.log[:-200]
+
+    def log_tail(self) -> str:
+        return "".join(self.log[-40:])
 
     def request(self, method, path, body=None, raw: bytes | None = None, headers=None):
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())

@@ -256,6 +256,30 @@ def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
     assert took < FAILURE_BOUND_S, took
 
 
+@pytest.mark.slow
+def test_a_follower_killed_while_the_leader_is_busy(artifacts, tmp_path):
+    """The follower dies while the leader holds the group for longer than the runtime's old
+    10 s heartbeat, sending nothing (as a step compiling under load does): the leader still
+    exits with the one line at its next collective, not the runtime's heartbeat abort."""
+    artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
+    busy_s = 15
+    started = start_group(artifact, tmp_path, "--busy-s", busy_s, "--repeat", 1,
+                          "--decode-steps", 1)
+    busy = started[0][2].with_suffix(".busy")
+    end = time.monotonic() + DEADLINE_S
+    while not busy.exists() and time.monotonic() < end:
+        assert all(p.poll() is None for _, p, _, _ in started), logs(started)
+        time.sleep(0.2)
+    _, follower, _, _ = started[1]
+    os.kill(follower.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    codes = wait_all(started, deadline_s=busy_s + FAILURE_BOUND_S + 30)
+    assert codes == {0: 3, 1: -signal.SIGKILL}, logs(started)
+    [line] = broken_lines(started[0][3])
+    assert f"process 0 of 2: lost process 1 (127.0.0.1 pid {follower.pid}" in line, line
+    assert time.monotonic() - killed < busy_s + FAILURE_BOUND_S
+
+
 # -- kipp serve --distributed ---------------------------------------------------------------------
 
 SERVE_ARGS = ("--kv-tokens", "512", "--max-batch", "2")
@@ -351,7 +375,7 @@ def test_serve_distributed_ends_when_a_follower_dies_mid_request(artifacts, monk
             next(iter(stream))  # the reply has begun
             follower.kill()
             killed = time.monotonic()
-            assert leader.proc.wait(FAILURE_BOUND_S) == 3
+            assert leader.proc.wait(FAILURE_BOUND_S) == 3, leader.log_tail()
             assert time.monotonic() - killed < FAILURE_BOUND_S
         finally:
             if leader.proc.poll() is None:

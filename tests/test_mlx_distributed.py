@@ -495,7 +495,7 @@ def test_serve_distributed_ends_when_a_rank_dies_mid_request(artifacts, monkeypa
             next(iter(stream))  # the reply has begun
             follower.kill()
             killed = time.monotonic()
-            assert leader.proc.wait(FAILURE_BOUND_S) == 3
+            assert leader.proc.wait(FAILURE_BOUND_S) == 3, leader.log_tail()
             assert time.monotonic() - killed < FAILURE_BOUND_S
         finally:
             if leader.proc.poll() is None:

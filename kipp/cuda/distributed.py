@@ -42,7 +42,12 @@ EXIT_GROUP_BROKEN = 3  # the exit status of a process whose group lost a member
 KEEPALIVE_S = 1.0  # the idle leader's broadcast interval
 JOIN_TIMEOUT_S = 60  # how long jax.distributed.initialize waits for every process
 JOIN_MARGIN_S = 10  # the runtime's own join timeout is this much later than Kipp's
-HEARTBEAT_S = 10  # the coordination service's heartbeat timeout (its own abort comes later)
+# A peer silent this long makes the coordination service abort every process (SIGABRT and a
+# page of logs; its callback cannot be replaced from Python). Kipp sees a dead peer first, at
+# the next collective, so this must outlast the longest stretch without one: a step compiling
+# under load. It remains the backstop for a peer that hangs without dying.
+HEARTBEAT_S = 60
+SHUTDOWN_S = 10  # how long jax.distributed.shutdown waits for every process at its barrier
 SILENCE_S = 30.0  # a follower that hears nothing this long gives up (the leader is stuck)
 HEADER = 8  # int32 words of a step's header: command, then the Bucket's five fields
 
@@ -153,7 +158,7 @@ def join(group: Group, *, timeout_s: int = JOIN_TIMEOUT_S,
             coordinator_address=group.coordinator, num_processes=group.processes,
             process_id=group.process_id, coordinator_bind_address=bind,
             initialization_timeout=timeout_s + JOIN_MARGIN_S,
-            heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=max(5, heartbeat_s))
+            heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=SHUTDOWN_S)
     except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, UNAVAILABLE, ...
         _exit(f"{failed} ({_first_line(e)})")
     joined.set()

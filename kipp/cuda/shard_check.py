@@ -103,6 +103,10 @@ def dump(args) -> int:
         link.start_keepalive()
     logits, chosen, seconds = greedy_logits(backend, args.prompt_len, args.decode_steps)
     time.sleep(args.hold_s)  # idle with the group formed: the keep-alive's test
+    if link is not None and args.busy_s:
+        with link.lock:  # as a step that compiles: no keep-alive, the followers wait
+            Path(args.dump).with_suffix(".busy").touch()
+            time.sleep(args.busy_s)
     for _ in range(args.repeat):  # the same run again: the failure tests' busy group
         again, _, _ = greedy_logits(backend, args.prompt_len, args.decode_steps)
         if not all(np.array_equal(a, b) for a, b in zip(logits, again)):
@@ -143,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-steps", type=int, default=3)
     parser.add_argument("--hold-s", type=float, default=0.0,
                         help="idle this long after the run")
+    parser.add_argument("--busy-s", type=float, default=0.0,
+                        help="then hold the group's lock this long, sending nothing")
     parser.add_argument("--repeat", type=int, default=0, help="then run it this many times more")
     parser.add_argument("--join-timeout", type=int, default=60)
     parser.add_argument("--pipeline", action="store_true",
