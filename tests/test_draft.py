@@ -285,3 +285,18 @@ def test_the_gate_prices_the_verify_rows_of_the_whole_batch():
                        successes=0.7, trials=1.0)
     assert gpu.expected_gain(3, batch=8) == pytest.approx(gpu.expected_gain(3, batch=1))
     assert gpu.expected_gain(3, batch=8) > 1.0
+
+
+def test_the_gate_does_not_probe_where_a_batch_cannot_pay():
+    """A paused choice in a batch of eight, where even the expected draft does not pay, keeps
+    pausing instead of probing (each probe pads the whole batch's verify); alone again, it
+    probes at its next pause's end."""
+    from kipp.engine.spec import AdaptiveGate
+
+    gate = AdaptiveGate(verify_base=0.85, verify_per_token=0.12, draft_cost=0.1,
+                        successes=0.3, trials=1.0)
+    assert gate.budget(8) == 0 and gate.pause == gate.backoff == 1
+    assert [gate.budget(8) for _ in range(40)] == [0] * 40
+    assert gate.backoff == 1  # waiting out a batch is not a failed probe
+    assert gate.budget(1) == 0 and gate.probing  # the pause ends
+    assert gate.budget(1) == min(gate.sizes)  # and the probe goes ahead alone

@@ -79,7 +79,8 @@ class AdaptiveGate:
     `verify_base + verify_per_token * (k + 1)` plain steps; the gate takes the k in `sizes`
     with the best ratio when it beats 1 (plain decoding), else it pauses drafting for
     `backoff` steps, then probes with the shortest draft; a failed probe doubles the pause (up
-    to max_pause), a paying draft resets it. Acceptance is rarely geometric (a copied run ends
+    to max_pause), a paying draft resets it. In a batch where even a successful probe would
+    not pay, the probe waits for another pause instead. Acceptance is rarely geometric (a copied run ends
     at an edit, however long the draft), so k is also capped by the last verify: one size up
     after a fully accepted draft, else the shortest size that would have held what was
     accepted. Sizes are one less than a power of two, so a verify fills its compiled round
@@ -135,6 +136,11 @@ class AdaptiveGate:
             self.probing = self.pause == 0
             return 0
         if self.probing:
+            if self.batch > 1 and self.expected_gain(min(self.sizes), self.batch) <= 1.0:
+                # a probe cannot pay in this batch even if it succeeds, and it costs every
+                # choice (the verify pads the batch's rows): wait for the batch to shrink
+                self._pause()
+                return 0
             return min(self.sizes)
         best = max([k for k in self.sizes if k <= self.cap] or [min(self.sizes)],
                    key=lambda k: self.expected_gain(k, self.batch))
