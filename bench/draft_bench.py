@@ -73,7 +73,7 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
     start = time.perf_counter()
     scheduler.run_until_idle()
     seconds = time.perf_counter() - start
-    ids, drafted, accepted = [], 0, 0
+    ids, drafted, accepted, verifies, plains = [], 0, 0, 0, 0
     for ticket in tickets:
         events = list(ticket)
         ids.append([t for e in events if hasattr(e, "tokens") for t in e.tokens])
@@ -81,9 +81,12 @@ def decode(model, prompts_, tokens: int, temperature: float, spec, seed: int) ->
         if isinstance(done, Done) and done.spec is not None:
             drafted += done.spec.drafted
             accepted += done.spec.accepted
+            verifies += done.spec.verify_evals
+            plains += done.spec.plain_evals
     generated = sum(len(i) for i in ids) - len(ids)  # the first token came with the prompt
     return {"tok_s": stats.rate(generated, seconds), "seconds": seconds, "ids": ids,
-            "drafted": drafted, "accepted": accepted,
+            "drafted": drafted, "accepted": accepted, "verify_evals": verifies,
+            "plain_evals": plains,
             "compiled": _compiled(model, spec) - compiled}
 
 
@@ -132,6 +135,9 @@ def summarize(results: dict, args) -> list[dict]:
                      "spec_tok_s": stats.median([s["tok_s"] for s in spec]),
                      "acceptance_rate": sum(s["accepted"] for s in spec) / drafted
                      if drafted else 0.0,
+                     # how often the gate drafted: a choice's verifying and plain steps
+                     "verify_evals": sum(s["verify_evals"] for s in spec),
+                     "plain_evals": sum(s["plain_evals"] for s in spec),
                      "identical": temperature > 0 or all(p["ids"] == s["ids"]
                                                          for p, s in zip(plain, spec))})
     return rows
