@@ -97,13 +97,23 @@ def _compiled(model, spec) -> int:
     return sum(len(getattr(m.backend, "buckets", ())) for m in models)
 
 
-def measure(target, drafts: dict, args) -> dict:
+def gate_costs(target, drafts: dict) -> dict:
+    """Each draft's gate costs, measured once (kipp.engine.draft), so every round's gates
+    price alike and the record says what they were."""
+    from kipp.engine.draft import draft_cost, verify_costs
+
+    base, per_row = verify_costs(target)
+    return {agree: {"draft_cost": draft_cost(target, draft), "verify_base": base,
+                    "verify_per_token": per_row} for agree, draft in drafts.items()}
+
+
+def measure(target, drafts: dict, costs: dict, args) -> dict:
     from kipp.engine.draft import spec_config
 
     results = {}
     for r in range(args.warmup + args.runs):
         for agree, draft in drafts.items():
-            spec = spec_config(draft, target)
+            spec = spec_config(draft, target, **costs[agree])
             for temperature in (0.0, 0.7):
                 for streams in args.streams:
                     ps = prompts(target, streams, seed=r)
@@ -220,7 +230,8 @@ def main(argv=None) -> int:
     target = load(args.target)
     drafts = {a: load(f"kipp-synthetic/qwen3-0.6b-draft-{a}") for a in args.agree}
     start = time.perf_counter()
-    results = measure(target, drafts, args)
+    costs = gate_costs(target, drafts)
+    results = measure(target, drafts, costs, args)
     rows = summarize(results, args)
     predicted = predict()
     command = "python -m bench spec " + " ".join(shlex.quote(a) for a in
@@ -229,7 +240,8 @@ def main(argv=None) -> int:
         "throughput", command, records.checkpoint_block(args.target), provenance.collect(),
         workload={"name": "spec-draft", "max_tokens": args.tokens, "streams": args.streams,
                   "drafts": {a: f"kipp-synthetic/qwen3-0.6b-draft-{a}" for a in args.agree},
-                  "texts": "see bench/draft_bench.py's docstring"},
+                  "texts": "see bench/draft_bench.py's docstring",
+                  "gate_costs": costs},
         protocol={"warmup": args.warmup, "runs": args.runs, "interleaved": True,
                   "seconds": time.perf_counter() - start},
         arms=[], speedups=rows, predicted=predicted, goals=GOALS)

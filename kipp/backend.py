@@ -157,11 +157,6 @@ class Backend(ABC):
                 raise EvalError(f"block id {bad[0]} is outside the KV slab "
                                 f"0..{self._num_blocks - 1}")
 
-    # What an eval of n rows of one sequence costs in one-row evals, as base + per_row * n: the
-    # speculative gate's cost model (kipp.engine.spec.AdaptiveGate's verify_base and
-    # verify_per_token). The default is XLA's CPU over float32 weights (4 rows ~2x one row).
-    verify_cost: tuple[float, float] = (1.7, 0.07)
-
     # -- one block's KV bytes, for kipp.engine.kv_disk (backends that can set this True) ---------
 
     supports_kv_io: bool = False

@@ -181,6 +181,9 @@ def test_provenance_fields_and_types():
     assert isinstance(git["dirty"], bool) and isinstance(git["changed_files"], list)
     host = p["host"]
     assert isinstance(host["cpu_model"], str) and host["cpu_model"]
+    assert isinstance(host["cpu_flags"], list)
+    if "avx2" in Path("/proc/cpuinfo").read_text():
+        assert "avx2" in host["cpu_flags"]
     assert isinstance(host["cpu_count"], int) and isinstance(host["usable_cores"], int)
     assert isinstance(host["memory_bytes"], int) and host["memory_bytes"] > 2**28
     assert isinstance(host["os"], str) and isinstance(p["python"]["version"], str)

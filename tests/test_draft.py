@@ -261,6 +261,36 @@ def test_the_draft_cost_is_the_measured_step_ratio(models):
     assert draft_cost(target, target) == 1.0
 
 
+def test_the_verify_cost_is_measured_on_the_target(models):
+    """spec_config prices a verify by timing the target's multi-row evals: evals made slower
+    by a fixed time per row raise the fitted per-row cost by about that time over a one-token
+    eval's, and leave a cost that rows do not change at about one eval."""
+    import time
+
+    from kipp.engine.draft import spec_config, verify_costs
+
+    target, draft = models(TINY), models(BASE)
+    base, per_row = verify_costs(target)
+    real_eval = target.backend.eval
+    delay = 0.01
+
+    def per_row_eval(items):
+        time.sleep(delay * sum(item.logits_rows for item in items))
+        return real_eval(items)
+
+    target.backend.eval = per_row_eval
+    try:
+        one = _one_token_seconds(target)  # the slowed one-token eval, as verify_costs sees it
+        slow_base, slow_per_row = verify_costs(target)
+        gate = spec_config(draft, target).gate()
+    finally:
+        del target.backend.eval
+    assert slow_per_row - per_row > 0.5 * delay / one, (per_row, slow_per_row, one)
+    assert 0.05 <= slow_base < 3.0 and 0.05 <= base < 3.0, (base, slow_base)
+    # spec_config prices with the measurement
+    assert gate.verify_per_token - per_row > 0.5 * delay / one
+
+
 def _one_token_seconds(model):
     import time
 

@@ -204,17 +204,6 @@ class JaxBackend(Backend):
         """Bytes of prepared weights on the device (what a decode step streams, plus KV)."""
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
 
-    @property
-    def verify_cost(self) -> tuple[float, float]:
-        """A GPU's few-row evals cost one row's (the weights are read once); Kipp's stored CPU
-        matmul reads them once too but its FLOPs grow with the rows (4 rows ~1.3x one, 8 ~1.8x);
-        XLA's float32 CPU dots keep the base class's figures."""
-        if self.plan.platform in ("gpu", "cuda"):
-            return (1.0, 0.0)
-        if self.plan.cpu_stored:
-            return (0.85, 0.12)
-        return super().verify_cost
-
     supports_kv_io = True
 
     def kv_identity(self) -> str:

@@ -46,16 +46,22 @@ def check_draft_model(target, draft) -> None:
                         f"target on {target.backend.describe()}: load both on one backend")
 
 
+VERIFY_ROWS = (4, 32)  # a lone stream's verify of 3 drafts and eight streams' of 4 rows each
+
+
 def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
     """Draft with `draft_model` (prompt lookup first with `lookup`), gated by an AdaptiveGate
-    that counts a draft token's cost (draft_cost) and the target backend's verify cost when the
-    `target` is given (and checked against it); `gate` overrides AdaptiveGate's fields."""
+    priced by this machine's measured costs when the `target` is given (and checked against
+    it): a draft token's (draft_cost) and the target's verify (verify_costs). `gate` overrides
+    AdaptiveGate's fields; a cost given there is not measured."""
     if target is not None:
         check_draft_model(target, draft_model)
-        gate.setdefault("draft_cost", draft_cost(target, draft_model))
-        base, per_row = target.backend.verify_cost
-        gate.setdefault("verify_base", base)
-        gate.setdefault("verify_per_token", per_row)
+        if "draft_cost" not in gate:
+            gate["draft_cost"] = draft_cost(target, draft_model)
+        if not {"verify_base", "verify_per_token"} <= gate.keys():
+            base, per_row = verify_costs(target)
+            gate.setdefault("verify_base", base)
+            gate.setdefault("verify_per_token", per_row)
     return SpecConfig(drafter=PromptLookupDrafter if lookup else None,
                       gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
@@ -67,20 +73,33 @@ def draft_cost(target, draft, repeats: int = 3) -> float:
     draft model a hundred times smaller than its target."""
     if draft is target:
         return 1.0
-    return _token_seconds(draft, repeats) / _token_seconds(target, repeats)
+    return _eval_seconds(draft, 1, repeats) / _eval_seconds(target, 1, repeats)
 
 
-def _token_seconds(model, repeats: int) -> float:
-    """The fastest of `repeats` one-token evals on a scratch session, after one that may
-    compile; random ids, nothing published."""
-    ids = [int(t) for t in np.random.default_rng(0).integers(1, 100_000, repeats + 1)]
-    session = model.session(repeats + 1)
+def verify_costs(target, rows: tuple[int, int] = VERIFY_ROWS,
+                 repeats: int = 3) -> tuple[float, float]:
+    """(verify_base, verify_per_token): an eval of n rows with every row's logits costs
+    base + per_token * n one-token evals, the line through timed evals of `rows` rows. Measured,
+    not a backend's constant: whether a few rows cost about one row's depends on the machine
+    (a GPU reads the weights once for all; a CPU's per-row FLOPs weigh more without wide
+    vector units)."""
+    one = _eval_seconds(target, 1, repeats)
+    low, high = (_eval_seconds(target, n, repeats) / one for n in rows)
+    per_row = max(0.0, (high - low) / (rows[1] - rows[0]))
+    return max(low - per_row * rows[0], 0.05), per_row
+
+
+def _eval_seconds(model, rows: int, repeats: int) -> float:
+    """The fastest of `repeats` evals of `rows` tokens (every row's logits) on a scratch
+    session, after one that may compile; random ids, nothing published."""
+    ids = [int(t) for t in np.random.default_rng(0).integers(1, 100_000, rows * (repeats + 1))]
+    session = model.session(len(ids))
     try:
-        session.eval(ids[:1])
+        session.eval(ids[:rows], logits_rows=rows)
         seconds = []
-        for token in ids[1:]:
+        for i in range(1, repeats + 1):
             start = time.perf_counter()
-            session.eval([token])
+            session.eval(ids[i * rows:(i + 1) * rows], logits_rows=rows)
             seconds.append(time.perf_counter() - start)
         return min(seconds)
     finally:

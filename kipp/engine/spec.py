@@ -80,13 +80,13 @@ class AdaptiveGate:
     with the best ratio when it beats 1 (plain decoding), else it pauses drafting for
     `backoff` steps, then probes with the shortest draft; a failed probe doubles the pause (up
     to max_pause), a paying draft resets it. In a batch where even a successful probe would
-    not pay, the probe waits for another pause instead. Acceptance is rarely geometric (a copied run ends
-    at an edit, however long the draft), so k is also capped by the last verify: one size up
-    after a fully accepted draft, else the shortest size that would have held what was
-    accepted. Sizes are one less than a power of two, so a verify fills its compiled round
-    (kipp.cuda.rounds buckets token counts by powers of two).
+    not pay, the probe waits for another pause instead. Acceptance is rarely geometric (a
+    copied run ends at an edit, however long the draft), so k is also capped by the last
+    verify: one size up after a fully accepted draft, else the shortest size that would have
+    held what was accepted. Sizes are one less than a power of two, so a verify fills its
+    compiled round (kipp.cuda.rounds buckets token counts by powers of two).
     The default costs are those of XLA's CPU (a 4-row eval ~2x a 1-row one, 16 rows ~2.8x);
-    where a 16-token eval costs about one token's, as on a GPU, pass verify_base=1.0.
+    a draft model's gate gets this machine's measured costs instead (kipp.engine.draft).
     """
 
     sizes: tuple[int, ...] = (3, 7, 15)
