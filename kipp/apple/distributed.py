@@ -130,6 +130,11 @@ class Group:
     def size(self) -> int:
         return len(self.hosts())
 
+    @property
+    def leader(self) -> bool:
+        """Rank 0, which serves."""
+        return self.rank == 0
+
     def hosts(self) -> list[list[str]]:
         """Each rank's addresses, from the hostfile; KippError naming the file if malformed."""
         path = Path(self.hostfile)
