@@ -15,7 +15,7 @@ from pathlib import Path
 
 SCHEMA = "kipp-bench/1"
 RESULTS = Path(__file__).resolve().parent / "results"
-TYPES = ("throughput", "ppl", "ceiling", "interop")
+TYPES = ("throughput", "ppl", "ceiling", "interop", "memory")
 ARM_STATUSES = ("ok", "skipped", "unavailable", "refused", "failed")
 
 _COMMON = {"schema": str, "type": str, "created": str, "command": str, "checkpoint": dict,
@@ -25,6 +25,7 @@ _BY_TYPE = {
     "ppl": {"corpus": dict, "schemes": dict},
     "ceiling": {"ceiling": dict},
     "interop": {"schemes": dict},
+    "memory": {"artifact": dict, "runs": list},
 }
 _ARM = {"arm": str, "engine": str, "scheme": str, "status": str, "spec": dict}
 _ARM_OK = {"info": dict, "params": dict, "runs": list, "warmup_runs": list, "values": list,

@@ -85,11 +85,11 @@ def _describe(path) -> None:
     print(f"  tensors      {len(file.tensors)}; KV {entry.kv_bytes_per_token} bytes/token")
 
 
-def _load(args):
+def _load(args, group=None):
+    """The model of the command's flags; `group` is --distributed's (_group), joined here."""
     from kipp.model import load
 
-    distributed = _group(args) if getattr(args, "distributed", False) else None
-    model = load(args.model, backend=args.backend, scheme=args.scheme, distributed=distributed,
+    model = load(args.model, backend=args.backend, scheme=args.scheme, distributed=group,
                  parallel=getattr(args, "parallel", "tensor"),
                  kv_tokens=getattr(args, "kv_tokens", None), kv_mib=getattr(args, "kv_mib", None),
                  kv_scheme=getattr(args, "kv_scheme", "bf16"),
@@ -106,17 +106,18 @@ def _group(args):
     """--distributed's group: MLX's (rank and hostfile) for --backend mlx, else JAX's."""
     from kipp.chooser import group_runtime
 
+    options = {} if args.join_timeout is None else {"join_timeout_s": args.join_timeout}
     if args.backend == "mlx":
         Group = group_runtime("mlx").Group
         if args.coordinator is not None:
             raise KippError("--coordinator is for --backend jax; MLX ranks find each other "
                             "through --hostfile (or MLX_HOSTFILE)")
-        return Group.resolve(args.process_id, args.hostfile, args.num_processes)
+        return Group.resolve(args.process_id, args.hostfile, args.num_processes, **options)
     Group = group_runtime("jax").Group
 
     if args.hostfile is not None:
         raise KippError("--hostfile is for --backend mlx; JAX processes meet at --coordinator")
-    return Group.resolve(args.coordinator, args.num_processes, args.process_id)
+    return Group.resolve(args.coordinator, args.num_processes, args.process_id, **options)
 
 
 def _lora_adapters(specs) -> dict | None:
@@ -309,7 +310,16 @@ def _serve(args) -> None:
         raise SystemExit("kipp serve: --stop needs a non-empty string")
     access = Access(api_key=api_key, protect_info=args.protect_health,
                     cors_origins=tuple(args.cors_origin or ()))
-    model = _load(args)
+    group = _group(args) if args.distributed else None
+    bound = None
+    if group is not None and group.leader:  # its port answers 503 until the group is whole
+        from kipp.http.forming import Forming
+
+        with Forming(args.host, args.port) as forming:
+            model = _load(args, group)
+        bound = forming.socket
+    else:
+        model = _load(args, group)
     link = getattr(model.backend, "link", None)
     if link is not None and not link.leader:  # a follower: runs process 0's steps, no HTTP
         from kipp.chooser import group_runtime
@@ -317,13 +327,13 @@ def _serve(args) -> None:
         group_runtime(model.backend.name).follow(model.backend)
         return
     try:
-        _serve_model(model, args, access)
+        _serve_model(model, args, access, bound)
     finally:
         if link is not None:
             link.stop()  # the followers leave their loop; the group shuts down
 
 
-def _serve_model(model, args, access) -> None:
+def _serve_model(model, args, access, bound=None) -> None:
     from kipp.http import serve
 
     serve(model, args.host, args.port, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -332,7 +342,7 @@ def _serve_model(model, args, access) -> None:
           chat_max_tokens=args.chat_max_tokens, speculative=_speculative(args, model),
           drain_timeout=args.drain_timeout, reasoning_format=args.reasoning_format,
           max_output_tokens=args.max_output_tokens, stops=tuple(args.stop or ()),
-          access=access, runtime_lora=args.lora_runtime)
+          access=access, runtime_lora=args.lora_runtime, bound=bound)
 
 
 def _bench(args) -> int:
@@ -629,6 +639,9 @@ def _add_serve_command(commands) -> None:
     group.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
                        help="tensor: every layer split over every device; pipeline: a range "
                        "of the layers per process (hosts on a slow link)")
+    group.add_argument("--join-timeout", type=_at_least(1), metavar="S", help="seconds to wait "
+                       "for every process to join (default 60); process 0 answers 503 "
+                       "meanwhile")
     p.set_defaults(run=_serve)
 
 

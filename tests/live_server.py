@@ -9,6 +9,8 @@ import time
 import urllib.error
 import urllib.request
 
+TINY = "kipp-synthetic/qwen3-tiny"
+
 
 class LiveServer:
     """`kipp serve ARTIFACT --backend reference --port 0 ARGS...` in a subprocess, ready once it
@@ -85,3 +87,31 @@ class LiveServer:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def chat_replies(server, model: str = TINY) -> list:
+    """Each greedy reply's text, tokens and their logprobs (the synthetic model's text alone
+    hardly depends on its input: the logprobs are what tell two servers apart)."""
+    import numpy as np
+
+    client = server.client()
+    replies = []
+    for prompt in ("Name three colours.", "Count from one to five."):
+        reply = client.chat.completions.create(
+            model=model, max_tokens=12, temperature=0, logprobs=True,
+            messages=[{"role": "user", "content": prompt}])
+        content = reply.choices[0].logprobs.content
+        replies.append((reply.choices[0].message.content, [t.token for t in content],
+                        np.array([t.logprob for t in content])))
+    return replies
+
+
+def assert_same_replies(got, want) -> None:
+    """A group's replies against one process's: the same text and tokens; logprobs within
+    float32's noise (the sums split over processes add in another order)."""
+    import numpy as np
+
+    assert all(text for text, _, _ in want)  # some text to compare
+    for (text, tokens, logprobs), (want_text, want_tokens, want_logprobs) in zip(got, want):
+        assert (text, tokens) == (want_text, want_tokens)
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=0, atol=1e-4)

@@ -285,35 +285,13 @@ def test_a_follower_killed_while_the_leader_is_busy(artifacts, tmp_path):
 SERVE_ARGS = ("--kv-tokens", "512", "--max-batch", "2")
 
 
-def chat_replies(server) -> list[tuple[str, list[str], np.ndarray]]:
-    """Each greedy reply's text, tokens and their logprobs (the synthetic model's text alone
-    hardly depends on its input: the logprobs are what tell two servers apart)."""
-    client = server.client()
-    replies = []
-    for prompt in ("Name three colours.", "Count from one to five."):
-        reply = client.chat.completions.create(
-            model="kipp-synthetic/qwen3-tiny", max_tokens=12, temperature=0, logprobs=True,
-            messages=[{"role": "user", "content": prompt}])
-        content = reply.choices[0].logprobs.content
-        replies.append((reply.choices[0].message.content, [t.token for t in content],
-                        np.array([t.logprob for t in content])))
-    return replies
-
-
-def assert_same_replies(got, want) -> None:
-    assert all(text for text, _, _ in want)  # some text to compare
-    for (text, tokens, logprobs), (want_text, want_tokens, want_logprobs) in zip(got, want):
-        assert (text, tokens) == (want_text, want_tokens)
-        # one device against two processes: the sums' order differs, within float32's noise
-        np.testing.assert_allclose(logprobs, want_logprobs, rtol=0, atol=1e-4)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+# tensor parallel: tests/test_forming.py, which starts process 0 alone first
+@pytest.mark.parametrize("parallel", ["pipeline"])
 def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_path, parallel):
     """Rank 0 of `kipp serve --distributed` answers the openai client with a single-process
     server's text; SIGTERM on rank 0 drains it and both processes exit 0."""
-    from live_server import LiveServer
+    from live_server import LiveServer, assert_same_replies, chat_replies
 
     artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
     for key, value in rank_env().items():

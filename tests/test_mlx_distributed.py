@@ -406,21 +406,6 @@ def test_a_rank_killed_mid_run(artifacts, tmp_path, victim):
 SERVE_ARGS = ("--kv-tokens", "512", "--max-batch", "2")
 
 
-def chat_replies(server) -> list:
-    """Each greedy reply's text, tokens and their logprobs (the synthetic model's text alone
-    hardly depends on its input: the logprobs tell two servers apart)."""
-    client = server.client()
-    replies = []
-    for prompt in ("Name three colours.", "Count from one to five."):
-        reply = client.chat.completions.create(
-            model=TINY, max_tokens=12, temperature=0, logprobs=True,
-            messages=[{"role": "user", "content": prompt}])
-        content = reply.choices[0].logprobs.content
-        replies.append((reply.choices[0].message.content, [t.token for t in content],
-                        np.array([t.logprob for t in content])))
-    return replies
-
-
 def serve_env(monkeypatch, rank: int, hostfile: str) -> None:
     for key, value in rank_env(rank, hostfile).items():
         monkeypatch.setenv(key, value)
@@ -437,11 +422,12 @@ def start_follower(artifact, hostfile, tmp_path, parallel="tensor"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
+# tensor parallel: tests/test_forming.py, which starts process 0 alone first
+@pytest.mark.parametrize("parallel", ["pipeline"])
 def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_path, parallel):
     """Rank 0 of `kipp serve --backend mlx --distributed` answers the openai client with a
     single-process server's text and tokens; SIGTERM on rank 0 drains it and both exit 0."""
-    from live_server import LiveServer
+    from live_server import LiveServer, assert_same_replies, chat_replies
 
     artifact = artifacts(TINY, "bf16")
     hostfile = write_hostfile(tmp_path / "hosts.json")
@@ -457,11 +443,7 @@ def test_serve_distributed_answers_as_one_process(artifacts, monkeypatch, tmp_pa
         leader = LiveServer(artifact, "--backend", "mlx", "--distributed", "--parallel",
                             parallel, *SERVE_ARGS)
         try:
-            got = chat_replies(leader)
-            assert all(text for text, _, _ in want)
-            for (text, tokens, logprobs), (w_text, w_tokens, w_logprobs) in zip(got, want):
-                assert (text, tokens) == (w_text, w_tokens)
-                np.testing.assert_allclose(logprobs, w_logprobs, rtol=0, atol=1e-4)
+            assert_same_replies(chat_replies(leader), want)
             leader.proc.send_signal(signal.SIGTERM)
             assert leader.proc.wait(DEADLINE_S) == 0
             assert follower.wait(FAILURE_BOUND_S) == 0, (tmp_path / "follower.log").read_text()

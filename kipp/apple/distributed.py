@@ -130,6 +130,11 @@ class Group:
     def size(self) -> int:
         return len(self.hosts())
 
+    @property
+    def leader(self) -> bool:
+        """Rank 0, which serves."""
+        return self.rank == 0
+
     def hosts(self) -> list[list[str]]:
         """Each rank's addresses, from the hostfile; KippError naming the file if malformed."""
         path = Path(self.hostfile)
@@ -754,11 +759,18 @@ def check_steps(backend, prompt_len: int = 20, decode_steps: int = 3, repeat: in
 
 
 def shard_facts(backend) -> dict:
-    """What a rank holds: its layers, its first layer's Q/K/V rows and its slab's KV heads."""
+    """What a rank holds: its layers, its first layer's Q/K/V rows, its slab's KV heads, its
+    weight and KV bytes, and this process's peak RSS."""
+    import resource
+
     layer = backend.weights.layers[0]
     rows = layer["qkv"].rows if "qkv" in layer else sum(layer[n].rows for n in ("q", "k", "v"))
+    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
     return {"layers": len(backend.weights.layers), "qkv_rows": rows,
-            "kv_heads": backend.ops.kv_heads, "head": backend.weights.head is not None}
+            "kv_heads": backend.ops.kv_heads, "head": backend.weights.head is not None,
+            "weight_bytes": backend.weight_bytes,
+            "kv_bytes": backend.k_cache.nbytes + backend.v_cache.nbytes,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * rss_unit}
 
 
 def main(argv=None) -> int:

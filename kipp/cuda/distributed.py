@@ -68,10 +68,11 @@ class Group:
     processes: int | None
     process_id: int | None
     source: str = "flags"  # where the values came from, for messages
+    join_timeout_s: int = JOIN_TIMEOUT_S
 
     @classmethod
     def resolve(cls, coordinator: str | None = None, processes: int | None = None,
-                process_id: int | None = None, env=None) -> Group:
+                process_id: int | None = None, env=None, **options) -> Group:
         """Each value from its flag, else JAX's variables (JAX_COORDINATOR_ADDRESS,
         JAX_NUM_PROCESSES, JAX_PROCESS_ID), else SLURM's (SLURM_NTASKS, SLURM_PROCID; the
         coordinator is then left to JAX's SLURM detection). Raises KippError for a bad or
@@ -98,11 +99,18 @@ class Group:
                             "--num-processes and --process-id, or set "
                             "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID")
         source = " and ".join(sorted(sources))
-        group = cls(*values, source)
+        group = cls(*values, source, **options)
         group.check()
         return group
 
+    @property
+    def leader(self) -> bool:
+        """Process 0, which serves (False while SLURM's detection has yet to say)."""
+        return self.process_id == 0
+
     def check(self) -> None:
+        if not self.join_timeout_s > 0:
+            raise KippError(f"the join timeout must be positive, not {self.join_timeout_s}")
         if self.processes is not None and self.processes < 1:
             raise KippError(f"--num-processes must be at least 1, not {self.processes} "
                             f"({self.source})")
@@ -132,13 +140,14 @@ def _int(value: str | None, name: str) -> int | None:
         raise KippError(f"{name} must be an integer, not {value!r}") from None
 
 
-def join(group: Group, *, timeout_s: int = JOIN_TIMEOUT_S,
-         heartbeat_s: int = HEARTBEAT_S) -> Link:
+def join(group: Group, *, heartbeat_s: int = HEARTBEAT_S) -> Link:
     """jax.distributed.initialize for `group` (before any other JAX call of the process),
     the coordinator bound to its own address only; then this process's address is published
-    for the others' failure messages. A group that does not form within `timeout_s`: one line
-    naming the process and the coordinator, and the process exits (EXIT_GROUP_BROKEN)."""
+    for the others' failure messages. A group that does not form within its join timeout: one
+    line naming the process and the coordinator, and the process exits (EXIT_GROUP_BROKEN)."""
     import jax
+
+    timeout_s = group.join_timeout_s
 
     bind = group.coordinator if group.process_id == 0 else None
     who = "?" if group.process_id is None else group.process_id

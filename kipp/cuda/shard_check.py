@@ -78,9 +78,9 @@ def dump(args) -> int:
 
     link = None
     if args.coordinator:
-        link = distributed.join(distributed.Group.resolve(args.coordinator, args.num_processes,
-                                                          args.process_id),
-                                timeout_s=args.join_timeout)
+        link = distributed.join(distributed.Group.resolve(
+            args.coordinator, args.num_processes, args.process_id,
+            join_timeout_s=args.join_timeout))
     artifact = open_artifact(args.artifact)
     if link is None and args.devices == 1:
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,

@@ -36,12 +36,13 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
           chat_max_tokens: int | None = None, speculative: bool = False,
           drain_timeout: float = DEFAULT_DRAIN_SECONDS, reasoning_format: str = "auto",
           max_output_tokens: int | None = None, stops: tuple[str, ...] = (),
-          access=None, runtime_lora: bool = False) -> None:
+          access=None, runtime_lora: bool = False, bound=None) -> None:
     """Run the engine thread and the HTTP server until SIGTERM or SIGINT, then drain for up to
     `drain_timeout` seconds and return. `port` 0 picks a free port; the line "kipp: serving
     MODEL on http://HOST:PORT" on stderr says which. `speculative` decodes greedy requests with
     prompt-lookup speculation (same tokens, fewer evals). `served_names` are the model names
-    requests may give; `access` (kipp.http.app.Access) the API key and CORS origins."""
+    requests may give; `access` (kipp.http.app.Access) the API key and CORS origins. `bound`
+    is a listening socket to serve on instead of binding host:port (kipp.http.forming's)."""
     import waitress
 
     from kipp.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
@@ -57,7 +58,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
     # channel_request_lookahead: a channel stays readable while its request runs, so a client
     # that closes its connection is seen (waitress.client_disconnected) and its request ends.
     sockets: dict = {}
-    server = waitress.create_server(app, map=sockets, host=host, port=port, threads=threads,
+    where = {"host": host, "port": port} if bound is None else {"sockets": [bound]}
+    server = waitress.create_server(app, map=sockets, **where, threads=threads,
                                     connection_limit=max(100, 2 * threads),
                                     channel_timeout=300, channel_request_lookahead=1,
                                     ident="kipp")

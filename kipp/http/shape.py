@@ -49,6 +49,11 @@ def error_shape(path: str):
     return next((s for prefix, s in _ERROR_SHAPES if path.startswith(prefix)), OpenAIErrors)
 
 
+def error_prefixes() -> tuple[str, ...]:
+    """The path prefixes whose API registered an error shape of its own."""
+    return tuple(prefix for prefix, _ in _ERROR_SHAPES)
+
+
 def error_shape_for(prefix: str):
     """Register an API's error shape (an object with `body(APIError) -> dict`) for its paths."""
     def register(shape):
