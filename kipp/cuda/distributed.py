@@ -48,7 +48,10 @@ JOIN_MARGIN_S = 10  # the runtime's own join timeout is this much later than Kip
 # under load. It remains the backstop for a peer that hangs without dying.
 HEARTBEAT_S = 60
 SHUTDOWN_S = 10  # how long jax.distributed.shutdown waits for every process at its barrier
-SILENCE_S = 30.0  # a follower that hears nothing this long gives up (the leader is stuck)
+# A follower that hears nothing this long while it waits gives up: the leader is alive but
+# stuck (a dead one fails the collective at once). It must outlast the leader's longest quiet
+# stretch, a step compiling under load with the lock held.
+SILENCE_S = 120.0
 HEADER = 8  # int32 words of a step's header: command, then the Bucket's five fields
 
 
@@ -187,6 +190,7 @@ class Link:
         self._last = time.monotonic()
         self._stopped = False
         self._keepalive: threading.Thread | None = None
+        self._running = False  # a follower running a step (its own compile is not silence)
 
     # -- the leader ---------------------------------------------------------------------------
 
@@ -266,7 +270,8 @@ class Link:
         def watch():
             while not self._stopped:
                 time.sleep(min(1.0, silence_s / 4))
-                if not self._stopped and time.monotonic() - self._last > silence_s:
+                waited = time.monotonic() - self._last
+                if not self._stopped and not self._running and waited > silence_s:
                     self._broken(f"no message from the leader for {silence_s:.0f} s", None)
 
         threading.Thread(target=watch, daemon=True, name="kipp-distributed-watch").start()
@@ -328,8 +333,10 @@ def follow(backend) -> None:
             _shutdown()
             return
         if command is Command.STEP:
+            link._running = True
             program = backend._program(bucket, arrays)
             _, backend.kv = link._guard("running a step", lambda: backend._run(program, arrays))
+            link._last, link._running = time.monotonic(), False
 
 
 def _client():
