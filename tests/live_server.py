@@ -2,6 +2,7 @@
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -10,6 +11,13 @@ import urllib.error
 import urllib.request
 
 TINY = "kipp-synthetic/qwen3-tiny"
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class LiveServer:

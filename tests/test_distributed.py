@@ -9,7 +9,6 @@ process can deadlock cross-process collectives dispatched unsynced).
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ import numpy as np
 import pytest
 
 from kipp.errors import KippError
+from live_server import free_port
 
 pytest.importorskip("jax")
 
 DEADLINE_S = 240  # a whole run of one configuration, both processes
 FAILURE_BOUND_S = 20  # a survivor's exit after its peer is gone (keep-alive 1 s, gloo ~1 s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(devices: int = 1) -> dict:

@@ -26,7 +26,7 @@ import pytest
 
 from kipp.errors import KippError
 from kipp.http.forming import RETRY_AFTER_S, Forming
-from live_server import TINY, LiveServer, assert_same_replies, chat_replies
+from live_server import TINY, LiveServer, assert_same_replies, chat_replies, free_port
 
 SERVE_ARGS = ("--kv-tokens", "512", "--max-batch", "2", "--kv-disk-mib", "0")
 START_S = 120  # a process's start, load or exit, on two shared cores
@@ -273,12 +273,6 @@ def never_forms(command, env, statuses) -> None:
         kill(leader.proc)
     assert len([line for line in leader.log if line.startswith(BROKEN)]) == 1, leader.log_tail()
     assert refused(leader.port)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def jax_env() -> dict:

@@ -13,7 +13,6 @@ the others within a bound with one line.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from kipp.errors import KippError
+from live_server import free_port
 
 mx = pytest.importorskip("mlx.core")
 
@@ -35,12 +35,6 @@ DEADLINE_S = 120  # a whole run of one configuration, both ranks
 FAILURE_BOUND_S = 15  # a survivor's exit after its peer is gone (keep-alive 1 s)
 STREAMS = "1"  # CPU streams per rank (two ranks share this machine's cores)
 BLOCKS = 16  # --kv-tokens 512, as the ranks' default
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_hostfile(path, ranks=2) -> str:
