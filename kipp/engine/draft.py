@@ -46,7 +46,9 @@ def check_draft_model(target, draft) -> None:
                         f"target on {target.backend.describe()}: load both on one backend")
 
 
-VERIFY_ROWS = (4, 32)  # a lone stream's verify of 3 drafts and eight streams' of 4 rows each
+# a lone stream's verify of 3 drafts, and 16 rows for the slope: timing 32-row evals at load
+# took twice as long and gave the same line within its run-to-run spread
+VERIFY_ROWS = (4, 16)
 
 
 def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
@@ -77,7 +79,7 @@ def draft_cost(target, draft, repeats: int = 3) -> float:
 
 
 def verify_costs(target, rows: tuple[int, int] = VERIFY_ROWS,
-                 repeats: int = 3) -> tuple[float, float]:
+                 repeats: int = 2) -> tuple[float, float]:
     """(verify_base, verify_per_token): an eval of n rows with every row's logits costs
     base + per_token * n one-token evals, the line through timed evals of `rows` rows. Measured,
     not a backend's constant: whether a few rows cost about one row's depends on the machine
