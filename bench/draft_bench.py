@@ -102,9 +102,9 @@ def gate_costs(target, drafts: dict) -> dict:
     price alike and the record says what they were."""
     from kipp.engine.draft import draft_cost, verify_costs
 
-    base, per_row = verify_costs(target)
-    return {agree: {"draft_cost": draft_cost(target, draft), "verify_base": base,
-                    "verify_per_token": per_row} for agree, draft in drafts.items()}
+    row_costs = verify_costs(target)
+    return {agree: {"draft_cost": draft_cost(target, draft), "row_costs": row_costs}
+            for agree, draft in drafts.items()}
 
 
 def measure(target, drafts: dict, costs: dict, args) -> dict:

@@ -263,16 +263,16 @@ def test_the_draft_cost_is_the_measured_step_ratio(models):
 
 def test_the_verify_cost_is_measured_on_the_target(models):
     """spec_config prices a verify by timing the target's multi-row evals: evals made slower
-    by a fixed time per row raise the fitted per-row cost by about that time over a one-token
-    eval's, and leave a cost that rows do not change at about one eval."""
+    by a fixed time per row cost more at each measured row count, by about that time per row
+    over a one-token eval's."""
     import time
 
-    from kipp.engine.draft import spec_config, verify_costs
+    from kipp.engine.draft import VERIFY_ROWS, spec_config, verify_costs
 
     target, draft = models(TINY), models(BASE)
-    base, per_row = verify_costs(target)
+    fast = dict(verify_costs(target))
     real_eval = target.backend.eval
-    delay = 0.01
+    delay = 0.03  # per row: well above the timing noise of a loaded machine
 
     def per_row_eval(items):
         time.sleep(delay * sum(item.logits_rows for item in items))
@@ -281,14 +281,38 @@ def test_the_verify_cost_is_measured_on_the_target(models):
     target.backend.eval = per_row_eval
     try:
         one = _one_token_seconds(target)  # the slowed one-token eval, as verify_costs sees it
-        slow_base, slow_per_row = verify_costs(target)
+        slow = dict(verify_costs(target))
         gate = spec_config(draft, target).gate()
     finally:
         del target.backend.eval
-    assert slow_per_row - per_row > 0.5 * delay / one, (per_row, slow_per_row, one)
-    assert 0.05 <= slow_base < 3.0 and 0.05 <= base < 3.0, (base, slow_base)
+    assert sorted(fast) == sorted(slow) == sorted(VERIFY_ROWS)
+    assert all(1.0 <= cost < 4.0 for cost in fast.values()), fast
+    # the slowdown over the one-token eval grows with the rows: (n - 1) * delay of extra sleep
+    low, high = min(VERIFY_ROWS), max(VERIFY_ROWS)
+    added = (slow[high] - slow[low]) - (fast[high] - fast[low])
+    assert added > 0.5 * (high - low) * delay / one, (fast, slow, one)
     # spec_config prices with the measurement
-    assert gate.verify_per_token - per_row > 0.5 * delay / one
+    assert gate.step_cost(high) - fast[high] > 0.5 * (high - 1) * delay / one, gate.row_costs
+
+
+def test_measured_row_costs_are_interpolated():
+    """Between measured row counts the cost is the straight line between them, past the last
+    one the last segment goes on, and one row costs one step."""
+    from kipp.engine.spec import AdaptiveGate, SpecError
+
+    gate = AdaptiveGate(row_costs=((4, 1.3), (8, 2.1), (16, 3.7)))
+    assert gate.step_cost(1) == 1.0
+    assert gate.step_cost(2) == pytest.approx(1.1)  # 1 + 0.3 / 3
+    assert gate.step_cost(4) == pytest.approx(1.3)
+    assert gate.step_cost(6) == pytest.approx(1.7)
+    assert gate.step_cost(16) == pytest.approx(3.7)
+    assert gate.step_cost(32) == pytest.approx(6.9)  # 3.7 + 16 * 0.2
+    # a cheap short verify pays where the line fitted through long ones says it does not
+    line = AdaptiveGate(verify_base=0.05, verify_per_token=1.09, successes=0.7, trials=1.0)
+    cheap = AdaptiveGate(row_costs=((4, 1.6), (8, 8.8), (16, 17.5)), successes=0.7, trials=1.0)
+    assert line.expected_gain(3) < 1.0 < cheap.expected_gain(3)
+    with pytest.raises(SpecError, match="row_costs"):
+        AdaptiveGate(row_costs=((1, 1.0),))
 
 
 def _one_token_seconds(model):

@@ -46,9 +46,9 @@ def check_draft_model(target, draft) -> None:
                         f"target on {target.backend.describe()}: load both on one backend")
 
 
-# a lone stream's verify of 3 drafts, and 16 rows for the slope: timing 32-row evals at load
-# took twice as long and gave the same line within its run-to-run spread
-VERIFY_ROWS = (4, 16)
+# the verifies of one stream's drafts (the gate's sizes 3, 7 and 15, plus the pending token);
+# a batch's larger verifies extend the 8-to-16 segment
+VERIFY_ROWS = (4, 8, 16)
 
 
 def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
@@ -60,10 +60,8 @@ def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecC
         check_draft_model(target, draft_model)
         if "draft_cost" not in gate:
             gate["draft_cost"] = draft_cost(target, draft_model)
-        if not {"verify_base", "verify_per_token"} <= gate.keys():
-            base, per_row = verify_costs(target)
-            gate.setdefault("verify_base", base)
-            gate.setdefault("verify_per_token", per_row)
+        if not {"verify_base", "verify_per_token", "row_costs"} & gate.keys():
+            gate["row_costs"] = verify_costs(target)
     return SpecConfig(drafter=PromptLookupDrafter if lookup else None,
                       gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
@@ -78,17 +76,19 @@ def draft_cost(target, draft, repeats: int = 3) -> float:
     return _eval_seconds(draft, 1, repeats) / _eval_seconds(target, 1, repeats)
 
 
-def verify_costs(target, rows: tuple[int, int] = VERIFY_ROWS,
-                 repeats: int = 2) -> tuple[float, float]:
-    """(verify_base, verify_per_token): an eval of n rows with every row's logits costs
-    base + per_token * n one-token evals, the line through timed evals of `rows` rows. Measured,
-    not a backend's constant: whether a few rows cost about one row's depends on the machine
-    (a GPU reads the weights once for all; a CPU's per-row FLOPs weigh more without wide
-    vector units)."""
+def verify_costs(target, rows: tuple[int, ...] = VERIFY_ROWS,
+                 repeats: int = 2) -> tuple[tuple[int, float], ...]:
+    """((rows, cost), ...): an eval of each of `rows` token rows with every row's logits, in
+    one-token evals, timed on the target (AdaptiveGate.row_costs). Measured, not a backend's
+    constant: whether a few rows cost about one row's depends on the machine (a GPU reads the
+    weights once for all; a CPU pays each row's FLOPs) and on the compiled round each count
+    falls in. A count never costs less than a smaller one: a dip is timing noise."""
     one = _eval_seconds(target, 1, repeats)
-    low, high = (_eval_seconds(target, n, repeats) / one for n in rows)
-    per_row = max(0.0, (high - low) / (rows[1] - rows[0]))
-    return max(low - per_row * rows[0], 0.05), per_row
+    costs, floor = [], 1.0
+    for n in sorted(rows):
+        floor = max(floor, _eval_seconds(target, n, repeats) / one)
+        costs.append((n, round(floor, 3)))
+    return tuple(costs)
 
 
 def _eval_seconds(model, rows: int, repeats: int) -> float:

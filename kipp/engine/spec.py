@@ -76,7 +76,8 @@ class AdaptiveGate:
     The chance that a draft token is accepted, p, is a decaying average over verified draft
     tokens (each accepted one a success, the first rejected one a failure). A draft of k
     tokens then yields E(k) = (1 - p^(k+1)) / (1 - p) tokens for an eval costing
-    `verify_base + verify_per_token * (k + 1)` plain steps; the gate takes the k in `sizes`
+    `step_cost(k + 1)` plain steps (the line `verify_base + verify_per_token * rows`, or the
+    measured `row_costs` interpolated); the gate takes the k in `sizes`
     with the best ratio when it beats 1 (plain decoding), else it pauses drafting for
     `backoff` steps, then probes with the shortest draft; a failed probe doubles the pause (up
     to max_pause), a paying draft resets it. In a batch where even a successful probe would
@@ -86,13 +87,15 @@ class AdaptiveGate:
     held what was accepted. Sizes are one less than a power of two, so a verify fills its
     compiled round (kipp.cuda.rounds buckets token counts by powers of two).
     The default costs are those of XLA's CPU (a 4-row eval ~2x a 1-row one, 16 rows ~2.8x);
-    a draft model's gate gets this machine's measured costs instead (kipp.engine.draft).
+    a draft model's gate gets this machine's measured costs instead (kipp.engine.draft): evals
+    of a few row counts, since rows cost a step function of compiled rounds, not a line.
     """
 
     sizes: tuple[int, ...] = (3, 7, 15)
     verify_base: float = 1.7
     verify_per_token: float = 0.07
     draft_cost: float = 0.0  # a drafted token's own cost in plain steps (a draft model's evals)
+    row_costs: tuple[tuple[int, float], ...] = ()  # measured (rows, cost); replaces the line
     decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
     max_pause: int = 32
     successes: float = 3.0  # prior: p = 0.75, so a new sequence tries drafting at once
@@ -109,14 +112,28 @@ class AdaptiveGate:
         if (self.verify_base <= 0 or self.verify_per_token < 0 or self.draft_cost < 0
                 or not 0 <= self.decay < 1):
             raise SpecError("verify and draft costs must be positive and decay within [0, 1)")
+        rows = [r for r, _ in self.row_costs]
+        if (any(r < 2 for r in rows) or len(set(rows)) != len(rows)
+                or any(c <= 0 for _, c in self.row_costs)):
+            raise SpecError(f"row_costs must be distinct row counts above 1 with positive "
+                            f"costs, got {self.row_costs}")
 
     @property
     def acceptance(self) -> float:
         return self.successes / self.trials
 
     def step_cost(self, rows: int) -> float:
-        """An eval of `rows` token rows in one-row steps (the verify cost model)."""
-        return 1.0 if rows <= 1 else self.verify_base + self.verify_per_token * rows
+        """An eval of `rows` token rows in one-row steps (the verify cost model): measured
+        points interpolated, and past the last one extended along the last segment."""
+        if rows <= 1:
+            return 1.0
+        if not self.row_costs:
+            return self.verify_base + self.verify_per_token * rows
+        points = [(1, 1.0), *sorted(self.row_costs)]
+        for (r0, c0), (r1, c1) in zip(points, points[1:]):
+            if rows <= r1:
+                break
+        return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
     def expected_gain(self, k: int, batch: int = 1) -> float:
         """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0), in a
