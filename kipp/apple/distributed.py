@@ -721,8 +721,7 @@ def _exit(line: str) -> None:
     """The group cannot go on (every round needs every rank): one line on stderr, then exit
     at once."""
     sys.stderr.write(f"kipp: distributed group broken: {line}\n")
-    sys.stderr.flush()
-    logging.shutdown()
+    sys.stderr.flush()  # not logging.shutdown: it waits for a handler lock another thread may hold
     os._exit(EXIT_GROUP_BROKEN)
 
 

@@ -368,6 +368,5 @@ def _exit(line: str) -> None:
     """The group cannot go on (a tensor-parallel step needs every process): one line on
     stderr, then exit at once (JAX's runtime would abort later, with a page of logs)."""
     sys.stderr.write(f"kipp: distributed group broken: {line}\n")
-    sys.stderr.flush()
-    logging.shutdown()
+    sys.stderr.flush()  # not logging.shutdown: it waits for a handler lock another thread may hold
     os._exit(EXIT_GROUP_BROKEN)
