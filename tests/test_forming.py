@@ -94,6 +94,11 @@ def test_forming_answers_503_in_each_api_shape():
         status, body, _ = get(f"http://127.0.0.1:{forming.port}", "/v1/responses",
                               {"model": TINY, "input": "Hi"})
         assert status == 503 and body["error"]["code"] == "group_forming", body
+        head = urllib.request.Request(f"http://127.0.0.1:{forming.port}/health", method="HEAD")
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(head, timeout=10)
+        assert raised.value.code == 503 and raised.value.read() == b""
+        assert raised.value.headers["Retry-After"] == str(RETRY_AFTER_S)
     forming.socket.close()
 
 

@@ -97,10 +97,11 @@ class _Answer(http.server.BaseHTTPRequestHandler):
         self.send_header("Retry-After", str(RETRY_AFTER_S))
         self.send_header("Connection", "close")  # the next request may find the real server
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # a HEAD reply has the GET's headers and no body
+            self.wfile.write(body)
         self.close_connection = True
 
-    do_GET = do_POST = do_DELETE = do_PUT = do_OPTIONS = _answer
+    do_GET = do_HEAD = do_POST = do_DELETE = do_PUT = do_OPTIONS = _answer
 
     def log_message(self, *args) -> None:
         pass
