@@ -37,8 +37,11 @@ run: $(VENV)/.base
 	$(VENV)/bin/kipp run $(CHECKPOINT) --scheme $(SCHEME) --backend $(BACKEND) \
 		--prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --temperature 0
 
+# Two workers, each taking whole files (module fixtures are built once): most tests are short
+# single-threaded evals, so two cores take about a third off the suite's one-worker time.
+TEST_WORKERS ?= 2
 test: $(VENV)/.dev metal-tools
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The slow set includes the agent CLIs' turns (tests/test_agent_clients.py), so it installs them.
 test-slow: $(VENV)/.dev metal-tools agent-clients
