@@ -15,6 +15,7 @@ while the acceptance it has seen pays for it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -80,7 +81,10 @@ class AdaptiveGate:
     measured `row_costs` interpolated); the gate takes the k in `sizes`
     with the best ratio when it beats 1 (plain decoding), else it pauses drafting for
     `backoff` steps, then probes with the shortest draft; a failed probe doubles the pause (up
-    to max_pause), a paying draft resets it. In a batch where even a successful probe would
+    to max_pause), a paying draft resets it. A pause is also long enough that the probe ending
+    it, if it fares as the acceptance so far predicts, wastes at most `probe_overhead` of the
+    steps since the last one: where a verify costs several steps (a CPU pays each row's FLOPs)
+    doubling from one would spend a short reply's time on failed probes. In a batch where even a successful probe would
     not pay, the probe waits for another pause instead. Acceptance is rarely geometric (a
     copied run ends at an edit, however long the draft), so k is also capped by the last
     verify: one size up after a fully accepted draft, else the shortest size that would have
@@ -98,6 +102,7 @@ class AdaptiveGate:
     row_costs: tuple[tuple[int, float], ...] = ()  # measured (rows, cost); replaces the line
     decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
     max_pause: int = 32
+    probe_overhead: float = 0.03  # what probing may cost a stream whose drafts do not pay
     successes: float = 3.0  # prior: p = 0.75, so a new sequence tries drafting at once
     trials: float = 4.0
     cap: int = field(default=7, init=False)  # longest draft the last verify supports
@@ -112,6 +117,8 @@ class AdaptiveGate:
         if (self.verify_base <= 0 or self.verify_per_token < 0 or self.draft_cost < 0
                 or not 0 <= self.decay < 1):
             raise SpecError("verify and draft costs must be positive and decay within [0, 1)")
+        if not 0 < self.probe_overhead <= 1:
+            raise SpecError(f"probe_overhead must be within (0, 1], got {self.probe_overhead}")
         rows = [r for r, _ in self.row_costs]
         if (any(r < 2 for r in rows) or len(set(rows)) != len(rows)
                 or any(c <= 0 for _, c in self.row_costs)):
@@ -183,7 +190,11 @@ class AdaptiveGate:
             self._pause()
 
     def _pause(self) -> None:
-        self.pause = self.backoff
+        k = min(self.sizes)
+        p = min(self.acceptance, 1 - 1e-9)
+        cost = self.step_cost(self.batch * (k + 1)) / self.step_cost(self.batch)
+        waste = cost + self.draft_cost * k - (1 - p ** (k + 1)) / (1 - p)
+        self.pause = max(self.backoff, math.ceil(max(0.0, waste) / self.probe_overhead))
 
 
 @dataclass(frozen=True)
