@@ -435,6 +435,8 @@ def _add_kernels_command(sub) -> None:
             schemes=None, results=False)
     p.add_argument("--only", default="", help="cases whose id or checkpoints contain this")
     p.add_argument("--render-only", action="store_true", help="re-render the newest record")
+    p.add_argument("--multihost", action="store_true",
+                   help="compile only the 2-host x 8-H200 pipelined step (kipp/cuda/aot_hosts.py)")
     p.add_argument("--no-readme", action="store_true",
                    help="leave bench/results/kernels-h200.md alone")
 

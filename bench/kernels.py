@@ -31,6 +31,8 @@ BF16_TENSOR_FLOPS = 989e12  # H200 SXM dense BF16 tensor cores
 F32_FLOPS = 67e12  # H200 SXM float32 on the CUDA cores
 PREDICTED = ("0.6B", "4B", "8B")
 BEGIN, END = "<!-- bench:kernels:begin", "<!-- bench:kernels:end -->"
+HOSTS_BEGIN, HOSTS_END = "<!-- bench:multihost:begin", "<!-- bench:multihost:end -->"
+HOSTS_CHECKPOINT = "Qwen/Qwen3-32B"
 
 
 def compile_all(cases, log=print) -> list[dict]:
@@ -151,17 +153,58 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def write(rec: dict, results: Path = RESULTS) -> Path:
+def write(rec: dict, results: Path = RESULTS, kind: str = "kernels") -> Path:
     results.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d-%H%M%S", time.gmtime())
-    path = results / f"{stamp}-kernels-h200.json"
+    path = results / f"{stamp}-{kind}-h200.json"
     path.write_text(json.dumps(rec, indent=1) + "\n")
     return path
 
 
-def latest(results: Path = RESULTS) -> dict | None:
-    found = sorted(results.glob("*-kernels-h200.json"))
+def latest(results: Path = RESULTS, kind: str = "kernels") -> dict | None:
+    found = sorted(results.glob(f"*-{kind}-h200.json"))
     return json.loads(found[-1].read_text()) if found else None
+
+
+def compile_hosts(hosts: int = 2, per_host: int = 8) -> dict:
+    """The pipelined decode step of HOSTS_CHECKPOINT on hosts x per_host abstract H200s
+    (kipp.cuda.aot_hosts): its kernels' registers and spills, and its collectives."""
+    from kipp.cuda import aot_hosts
+    from kipp.formats import registry
+
+    entry = registry.get(HOSTS_CHECKPOINT)
+    row = {"checkpoint": entry.id, "scheme": "bf16", "hosts": hosts, "per_host": per_host,
+           "step": "decode, 8 sequences", "layers_per_host": entry.layers // hosts}
+    try:
+        build, counts, _ = aot_hosts.compile_pipelined(entry, hosts, per_host)
+    except Exception as e:  # the report records a failed compile
+        return dict(row, status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    ks = build.kernels
+    return dict(row, status="ok", compile_s=round(build.seconds, 2), kernels=len(ks),
+                registers=max(k.registers for k in ks), spill_bytes=sum(k.spills for k in ks),
+                stack_bytes=sum(k.stack for k in ks), collectives=counts)
+
+
+def hosts_record(row: dict, command: str, seconds: float) -> dict:
+    rec = record([], command, seconds)
+    del rec["kernels"], rec["predicted"], rec["roofline"]
+    return dict(rec, type="multihost", step=row)
+
+
+def render_hosts(rec: dict) -> str:
+    r = rec["step"]
+    head = (f"{r['checkpoint']} {r['scheme'].upper()} {r['step']}, pipeline parallel over "
+            f"{r['hosts']} hosts ({r['layers_per_host']} layers each) and tensor parallel "
+            f"over each host's {r['per_host']} H200s, an abstract topology compiled at "
+            f"{rec['provenance']['git']} (jax {rec['provenance']['jax']}, "
+            f"{rec['provenance']['ptxas']}; `{rec['command']}`, kipp/cuda/aot_hosts.py): ")
+    if r["status"] != "ok":
+        return head + f"failed: {r['error']}"
+    collectives = ", ".join(f"{name} {n}" for name, n in r["collectives"].items() if n)
+    return head + (f"compiled in {r['compile_s']:.1f} s, {r['kernels']} kernels (XLA's "
+                   f"fusions) at most {r['registers']} registers, {r['spill_bytes']} spill "
+                   f"and {r['stack_bytes']} stack bytes. Collectives in the step: "
+                   f"{collectives}.")
 
 
 def render(rec: dict) -> str:
@@ -238,12 +281,13 @@ def _row(r: dict) -> str:
                    + tail)
 
 
-def update_page(rec: dict, page: Path = PAGE) -> None:
-    """Replace the text between the kernel markers in bench/results/kernels-h200.md."""
+def update_page(rec: dict, page: Path = PAGE, begin: str = BEGIN, end: str = END,
+                render=render) -> None:
+    """Replace the text between a pair of markers in bench/results/kernels-h200.md."""
     text = page.read_text()
-    start, end = text.index(BEGIN), text.index(END)
+    start, stop = text.index(begin), text.index(end)
     start = text.index("\n", start) + 1
-    page.write_text(text[:start] + render(rec) + "\n" + text[end:])
+    page.write_text(text[:start] + render(rec) + "\n" + text[stop:])
 
 
 def main(args, command: str) -> int:
@@ -254,6 +298,11 @@ def main(args, command: str) -> int:
         reason = aot.unavailable_reason()
         if reason:
             raise SystemExit(f"cannot compile for the H200 here: {reason}")
+        start = time.perf_counter()
+        row = compile_hosts()
+        path = write(hosts_record(row, command, time.perf_counter() - start), kind="multihost")
+        print(f"wrote {path.relative_to(REPO)}: {row['status']}")
+    if not args.render_only and not args.multihost:
         cases = ks.all_cases()
         if args.only:
             cases = [c for c in cases if args.only in c.id or args.only in c.where]
@@ -266,5 +315,8 @@ def main(args, command: str) -> int:
         raise SystemExit("no kernels record in bench/results (run `python -m bench kernels`)")
     if not args.no_readme:
         update_page(rec)
+        hosts = latest(kind="multihost")
+        if hosts is not None:
+            update_page(hosts, begin=HOSTS_BEGIN, end=HOSTS_END, render=render_hosts)
         print(f"updated {PAGE.relative_to(REPO)}")
     return 0

@@ -85,3 +85,24 @@ def test_render_and_readme_markers(tmp_path):
     out = readme.read_text()
     assert "old" not in out and out.startswith("before\n") and out.endswith("after\n")
     assert text in out
+
+
+def test_the_multihost_step_renders_between_its_markers(tmp_path):
+    step = {"checkpoint": "Qwen/Qwen3-32B", "scheme": "bf16", "hosts": 2, "per_host": 8,
+            "step": "decode, 8 sequences", "layers_per_host": 32, "status": "ok",
+            "compile_s": 7.3, "kernels": 98, "registers": 48, "spill_bytes": 0,
+            "stack_bytes": 0, "collectives": {"all-reduce": 9, "collective-permute": 1,
+                                              "all-gather": 0}}
+    rec = {"command": "python -m bench kernels --multihost", "step": step,
+           "provenance": {"git": "abc", "jax": "0.10.2", "ptxas": "V12.9"}}
+    text = kernels.render_hosts(rec)
+    assert "over 2 hosts (32 layers each)" in text and "each host's 8 H200s" in text
+    assert "all-reduce 9, collective-permute 1." in text and "all-gather" not in text
+    failed = kernels.render_hosts(dict(rec, step=dict(step, status="failed", error="E: no")))
+    assert failed.endswith("failed: E: no")
+    page = tmp_path / "kernels-h200.md"
+    page.write_text(f"{kernels.BEGIN} x -->\nkernels\n{kernels.END}\n"
+                    f"{kernels.HOSTS_BEGIN} x -->\nold\n{kernels.HOSTS_END}\n")
+    kernels.update_page(rec, page, kernels.HOSTS_BEGIN, kernels.HOSTS_END, kernels.render_hosts)
+    out = page.read_text()
+    assert "kernels\n" in out and "old" not in out and text in out

@@ -75,21 +75,21 @@ class AdaptiveGate:
     """How many draft tokens to verify next (0: a plain step), from the acceptance so far.
 
     The chance that a draft token is accepted, p, is a decaying average over verified draft
-    tokens (each accepted one a success, the first rejected one a failure). A draft of k
-    tokens then yields E(k) = (1 - p^(k+1)) / (1 - p) tokens for an eval costing
-    `step_cost(k + 1)` plain steps (the line `verify_base + verify_per_token * rows`, or the
-    measured `row_costs` interpolated); the gate takes the k in `sizes`
-    with the best ratio when it beats 1 (plain decoding), else it pauses drafting for
-    `backoff` steps, then probes with the shortest draft; a failed probe doubles the pause (up
-    to max_pause), a paying draft resets it. A pause is also long enough that the probe ending
-    it, if it fares as the acceptance so far predicts, wastes at most `probe_overhead` of the
-    steps since the last one: where a verify costs several steps (a CPU pays each row's FLOPs)
-    doubling from one would spend a short reply's time on failed probes. In a batch where even a successful probe would
-    not pay, the probe waits for another pause instead. Acceptance is rarely geometric (a
-    copied run ends at an edit, however long the draft), so k is also capped by the last
-    verify: one size up after a fully accepted draft, else the shortest size that would have
-    held what was accepted. Sizes are one less than a power of two, so a verify fills its
-    compiled round (kipp.cuda.rounds buckets token counts by powers of two).
+    tokens (each accepted one a success, the first rejected one a failure). A draft of k tokens
+    then yields E(k) = (1 - p^(k+1)) / (1 - p) tokens for an eval costing `step_cost(k + 1)`
+    plain steps (the line `verify_base + verify_per_token * rows`, or the measured `row_costs`
+    interpolated); the gate takes the k in `sizes` with the best ratio when it beats 1 (plain
+    decoding), else it pauses drafting for `backoff` steps, then probes with the shortest draft;
+    a failed probe doubles the pause (up to max_pause), a paying draft resets it. A pause is
+    also long enough that the probe ending it, if it fares as the acceptance so far predicts,
+    wastes at most `probe_overhead` of the steps since the last one: where a verify costs
+    several steps (a CPU pays each row's FLOPs) doubling from one would spend a short reply's
+    time on failed probes. In a batch where even a successful probe would not pay, the probe
+    waits for another pause instead. Acceptance is rarely geometric (a copied run ends at an
+    edit, however long the draft), so k is also capped by the last verify: one size up after a
+    fully accepted draft, else the shortest size that would have held what was accepted. Sizes
+    are one less than a power of two, so a verify fills its compiled round (kipp.cuda.rounds
+    buckets token counts by powers of two).
     The default costs are those of XLA's CPU (a 4-row eval ~2x a 1-row one, 16 rows ~2.8x);
     a draft model's gate gets this machine's measured costs instead (kipp.engine.draft): evals
     of a few row counts, since rows cost a step function of compiled rounds, not a line.
