@@ -93,7 +93,9 @@ def test_mlx_head_pages_go_as_they_are_copied(artifacts):
 
     twin = layout.prepare_twin([head], 2, True, release)
     chunk_kib = layout.CHUNK_ELEMENTS * 2 // 1024  # BF16 rows per chunk
-    assert len(resident) >= 8 and max(resident) < 2 * chunk_kib, (resident, chunk_kib)
+    # a chunk and its neighbour's fault-around pages (more of them where another process has
+    # the file cached); without the release the head grows to 74 MiB, 9 chunks
+    assert len(resident) >= 8 and max(resident) < 3 * chunk_kib, (resident, chunk_kib)
     assert twin.rows == head.shape[0]
     artifact.release_view(np.zeros(4096))  # not the mapping's: nothing to drop
 
