@@ -300,7 +300,7 @@ def _read_turn() -> str | None:
 
 
 def _serve(args) -> None:
-    from kipp.http.app import Access
+    from kipp.http.access import Access
 
     api_key = args.api_key or (os.environ.get(args.api_key_env) if args.api_key_env else None)
     if args.api_key_env and not api_key:
@@ -315,7 +315,7 @@ def _serve(args) -> None:
     if group is not None and group.leader:  # its port answers 503 until the group is whole
         from kipp.http.forming import Forming
 
-        with Forming(args.host, args.port) as forming:
+        with Forming(args.host, args.port, access) as forming:
             model = _load(args, group)
         bound = forming.socket
     else:

@@ -102,6 +102,77 @@ def test_forming_answers_503_in_each_api_shape():
     forming.socket.close()
 
 
+LOCKED = "s3cret-key"
+ORIGIN = "http://localhost:3000"
+# (method, path, headers): the requests a locked server and the forming responder must refuse,
+# preflight or tag alike
+ACCESS_CASES = [
+    ("POST", "/v1/chat/completions", {}),
+    ("POST", "/v1/chat/completions", {"Authorization": "Bearer nope"}),
+    ("POST", "/v1/chat/completions?stream=1", {"x-api-key": LOCKED[:-1]}),
+    ("POST", "/v1/messages", {}),
+    ("POST", "/v1/messages", {"x-api-key": "nope", "Origin": ORIGIN}),
+    ("POST", "/v1/responses", {"Authorization": LOCKED}),
+    ("GET", "/health", {}),
+    ("GET", "/metrics", {}),
+    ("OPTIONS", "/v1/chat/completions", {"Origin": ORIGIN,
+                                         "Access-Control-Request-Method": "POST",
+                                         "Access-Control-Request-Headers": "x-api-key"}),
+    ("OPTIONS", "/v1/messages", {"Origin": "http://evil.example",
+                                 "Access-Control-Request-Method": "POST"}),
+]
+CORS_HEADERS = ("Access-Control-Allow-Origin", "Access-Control-Allow-Methods",
+                "Access-Control-Allow-Headers", "Access-Control-Max-Age", "Vary")
+
+
+def send(url: str, method: str, path: str, headers: dict) -> tuple[int, dict, dict]:
+    data = json.dumps({"model": TINY}).encode() if method == "POST" else None
+    request = urllib.request.Request(url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            status, raw, got = response.status, response.read(), response.headers
+    except urllib.error.HTTPError as e:
+        status, raw, got = e.code, e.read(), e.headers
+    return status, json.loads(raw) if raw else {}, {h: got.get(h) for h in CORS_HEADERS}
+
+
+@pytest.mark.parametrize("protect_info", [False, True])
+def test_forming_refuses_and_tags_as_the_locked_server_would(artifacts, protect_info):
+    """With an API key and CORS origins, the forming responder's 401s, preflights and CORS
+    headers are the Flask app's (same access settings, a loaded model: the oracle); whatever
+    passes the key check gets the 503, and the right key reaches it."""
+    from kipp.engine.scheduler import Scheduler
+    from kipp.http.access import Access
+    from kipp.http.app import create_app
+    from kipp.model import load
+
+    access = Access(api_key=LOCKED, protect_info=protect_info, cors_origins=(ORIGIN,))
+    model = load(artifacts(TINY), backend="reference", kv_tokens=512, progress=False)
+    scheduler = Scheduler(model).start()
+    try:
+        app = create_app(model, scheduler, access=access).test_client()
+        with Forming("127.0.0.1", 0, access) as forming:
+            url = f"http://127.0.0.1:{forming.port}"
+            for method, path, headers in ACCESS_CASES:
+                status, body, tags = send(url, method, path, headers)
+                want = app.open(path, method=method, headers=headers,
+                                json={"model": TINY} if method == "POST" else None)
+                case = (method, path, headers)
+                if want.status_code in (401, 204):
+                    assert status == want.status_code and body == (want.json or {}), case
+                else:  # what the server would serve, the forming responder defers
+                    assert status == 503 and body["error"]["code"] == "group_forming", case
+                assert tags == {h: want.headers.get(h) for h in CORS_HEADERS}, case
+            status, body, _ = send(url, "POST", "/v1/messages", {"x-api-key": LOCKED})
+            assert status == 503 and body["type"] == "error", body
+            assert body["error"]["message"] == "the distributed group is forming: the model " \
+                                               "is not loaded yet", body
+        forming.socket.close()
+    finally:
+        scheduler.stop()
+
+
 class Poller(threading.Thread):
     """GET /health over and over until stopped: each status, or the error of a connection
     refused, reset or cut short."""

@@ -10,7 +10,8 @@ pytest.importorskip("flask")
 pytest.importorskip("prometheus_client")
 
 from kipp.engine.scheduler import Scheduler  # noqa: E402
-from kipp.http.app import Access, create_app  # noqa: E402
+from kipp.http.access import Access  # noqa: E402
+from kipp.http.app import create_app  # noqa: E402
 from kipp.model import load  # noqa: E402
 from kipp.text.chat import render  # noqa: E402
 

@@ -41,7 +41,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8080, *, max_batch: int = 
     `drain_timeout` seconds and return. `port` 0 picks a free port; the line "kipp: serving
     MODEL on http://HOST:PORT" on stderr says which. `speculative` decodes greedy requests with
     prompt-lookup speculation (same tokens, fewer evals). `served_names` are the model names
-    requests may give; `access` (kipp.http.app.Access) the API key and CORS origins. `bound`
+    requests may give; `access` (kipp.http.access.Access) the API key and CORS origins. `bound`
     is a listening socket to serve on instead of binding host:port (kipp.http.forming's)."""
     import waitress
 

@@ -15,13 +15,11 @@ the response iterator, whose `finally` cancels the tickets.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 import queue
 import re
 import time
-from dataclasses import dataclass
 
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
@@ -35,6 +33,7 @@ from kipp.engine.scheduler import (
     ShuttingDown,
     Ticket,
 )
+from kipp.http.access import KEY_ERRORS, Access  # noqa: F401  (Access: API)
 from kipp.http.fields import MAX_JSON_DEPTH, json_body  # noqa: F401  (MAX_JSON_DEPTH: API)
 from kipp.http.metrics import Metrics
 from kipp.http.schema import APIError, Call, ChatContext, parse_chat, parse_completion
@@ -46,16 +45,6 @@ MAX_BODY_BYTES = 32 << 20  # agents send tens of thousands of tokens of tools an
 DEFAULT_CHAT_MAX_TOKENS = 1024
 # How often a waiting handler checks that the engine is alive and the client still there.
 EVENT_POLL_SECONDS = 0.25
-OPEN_PATHS = ("/health", "/metrics")  # open without the API key unless the server closes them
-
-
-@dataclass
-class Access:
-    """Who may call the server and from which web origins (kipp serve's flags)."""
-
-    api_key: str | None = None  # Bearer or x-api-key; None: open
-    protect_info: bool = False  # /health and /metrics need the key too
-    cors_origins: tuple[str, ...] = ()  # "*" for any; empty: no CORS headers
 
 
 class Server:
@@ -267,61 +256,27 @@ def _error_handlers(app: Flask, metrics: Metrics) -> None:
 
 
 def _access(app: Flask, access: Access) -> None:
-    """The API key check (constant-time) and CORS, before any handler runs."""
-    key = access.api_key.encode() if access.api_key else None
+    """The API key check and CORS (kipp.http.access), before any handler runs."""
 
     @app.before_request
     def check_key():
         if request.method == "OPTIONS" and access.cors_origins:
-            return _preflight(access)
-        if key is None or (request.path in OPEN_PATHS and not access.protect_info):
-            return None
-        given = _given_key()
-        if given is None:
-            return error_response(APIError(401, "an API key is required: send it as "
-                                                "'Authorization: Bearer KEY' or 'x-api-key'",
-                                           code="missing_api_key",
-                                           type="authentication_error"))
-        if not hmac.compare_digest(given.encode(), key):
-            return error_response(APIError(401, "the API key is not valid",
-                                           code="invalid_api_key",
+            return Response(status=204, headers=access.preflight_headers(
+                request.headers.get("Origin"),
+                request.headers.get("Access-Control-Request-Headers")))
+        code = access.key_error(request.path, request.headers.get)
+        if code is not None:
+            return error_response(APIError(401, KEY_ERRORS[code], code=code,
                                            type="authentication_error"))
         return None
 
     @app.after_request
     def cors(response):
-        origin = _allowed_origin(access)
+        origin = access.allowed_origin(request.headers.get("Origin"))
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
         return response
-
-
-def _given_key() -> str | None:
-    header = request.headers.get("Authorization", "")
-    if header.lower().startswith("bearer "):
-        return header[7:].strip()
-    return request.headers.get("x-api-key")
-
-
-def _allowed_origin(access: Access) -> str | None:
-    origin = request.headers.get("Origin")
-    if origin is None or not access.cors_origins:
-        return None
-    if "*" in access.cors_origins:
-        return "*"
-    return origin if origin in access.cors_origins else None
-
-
-def _preflight(access: Access) -> Response:
-    response = Response(status=204)
-    if _allowed_origin(access) is not None:
-        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-        response.headers["Access-Control-Allow-Headers"] = (
-            request.headers.get("Access-Control-Request-Headers")
-            or "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta")
-        response.headers["Access-Control-Max-Age"] = "600"
-    return response
 
 
 def _info_routes(app: Flask, server: Server) -> None:
