@@ -293,7 +293,8 @@ def matvec(shapes=MATVEC_SHAPES, repeats: int = 9) -> str:
                 jax.block_until_ready(call(x, ws))
                 seconds = min(_timed(lambda: jax.block_until_ready(call(x, ws)), repeats))
                 size = sum(a.nbytes for w in ws for a in (w.w, w.d, w.m) if a is not None)
-                cells.append(f"{rows}x{cols}: {size / seconds / 1e9:6.2f}")
+                # significant figures, not decimals: a tiny shape's rate does not print as 0
+                cells.append(f"{rows}x{cols}: {size / seconds / 1e9:7.3g}")
             lines.append(f"  {fmt:13} {dot.value:5} " + "  ".join(cells))
     return "\n".join(lines)
 
