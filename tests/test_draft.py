@@ -251,11 +251,13 @@ def test_the_draft_cost_is_the_measured_step_ratio(models):
     from kipp.engine.draft import draft_cost
 
     target, draft = models(TINY), models(BASE)
-    fast = draft_cost(target, draft)
+    # the cheaper of two measurements: a busy second test worker inflates one, never deflates it
+    fast = min(draft_cost(target, draft) for _ in range(2))
     real_eval = draft.backend.eval
+    delay = 0.25  # the sleep, not a loaded machine's noise, sets the difference
 
     def slow_eval(items):
-        time.sleep(0.05)
+        time.sleep(delay)
         return real_eval(items)
 
     draft.backend.eval = slow_eval
@@ -263,7 +265,9 @@ def test_the_draft_cost_is_the_measured_step_ratio(models):
         slow = draft_cost(target, draft)
     finally:
         del draft.backend.eval
-    assert slow > fast + 0.5 * 0.05 / _one_token_seconds(target), (fast, slow)
+    # the slowest one-token eval of three: a high estimate of a target step only lowers the bar
+    one = max(_one_token_seconds(target) for _ in range(3))
+    assert slow > fast + 0.5 * delay / one, (fast, slow, one)
     assert draft_cost(target, target) == 1.0
 
 
