@@ -6,7 +6,8 @@
 // A work unit is kGroup output rows of W. Each 32-weight block is decoded exactly as
 // kipp/formats/quant.py does (bits << 16; d * q; d * (q - 8); d * q + m), with AVX-512 where
 // the build has it (kipp/cuda/cpu/matmul.py builds for the set the CPU reports at load; the
-// 4-bit formats as a 16-entry table per block, looked up per nibble) and plain C++ otherwise.
+// 4-bit formats as a 16-entry table per block, looked up per nibble), AVX2 + FMA in the build
+// for that set (stored_avx2.h: the same operations in 8-float halves), plain C++ otherwise.
 // A decode round (up to 8 rows of x) decodes each block once into registers and multiplies
 // every row against it; a longer round's unit is as many W rows as fill an L2-sized float32
 // scratch (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by
@@ -291,6 +292,19 @@ inline int64_t Group(int64_t rows, int64_t k) {
   return std::max(kGroup, std::min<int64_t>(8 * kGroup, fit / kTile * kTile));
 }
 
+// This thread's float32 scratch of at least `floats`, 64-byte aligned (a 16-lane load that
+// splits a cache line costs two).
+inline float* Scratch(int64_t floats) {
+  thread_local std::unique_ptr<float, decltype(&std::free)> scratch(nullptr, &std::free);
+  thread_local int64_t capacity = 0;
+  if (capacity < floats) {
+    scratch.reset(static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float))));
+    if (!scratch) throw std::bad_alloc();
+    capacity = floats;
+  }
+  return scratch.get();
+}
+
 // Unit u: W rows [u * group, ...) against all M rows of x: fused for a decode round, else
 // decoded once into the scratch and run x row tile by x row tile (a tile's x rows stay in L1
 // over the group's W tiles).
@@ -307,20 +321,13 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
     }
     return;
   }
-  // 64-byte aligned: a 16-lane load that splits a cache line costs two.
-  thread_local std::unique_ptr<float, decltype(&std::free)> scratch(nullptr, &std::free);
-  thread_local int64_t capacity = 0;
-  if (capacity < group * k) {
-    scratch.reset(static_cast<float*>(std::aligned_alloc(64, group * k * sizeof(float))));
-    if (!scratch) throw std::bad_alloc();
-    capacity = group * k;
-  }
-  for (int64_t c = 0; c < count; ++c) DecodeRow<F>(w, d, m, first + c, k, scratch.get() + c * k);
+  float* scratch = Scratch(group * k);
+  for (int64_t c = 0; c < count; ++c) DecodeRow<F>(w, d, m, first + c, k, scratch + c * k);
   for (int64_t r = 0; r < rows; r += kLongRows) {
     const int64_t tr = std::min(kLongRows, rows - r);
     for (int64_t c = 0; c < count; c += kTile) {
       const int64_t tc = std::min(kTile, count - c);
-      kTiles[tr - 1][tc - 1](x + r * k, k, scratch.get() + c * k, y + r * n + first + c, n);
+      kTiles[tr - 1][tc - 1](x + r * k, k, scratch + c * k, y + r * n + first + c, n);
     }
   }
 }
@@ -531,6 +538,11 @@ void QUnit(const QPair* x, const void* w, const uint16_t* d, const uint16_t* m, 
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KIPP_AVX2 1
+#include "stored_avx2.h"  // this build's Unit and QUnit, in 8-float halves
+#endif
+
 // Shared by every format's handler: checks, the layer's planes, the parallel loop.
 // `per_row` is the plane's elements per weight row ([L, N, per_row] once flattened).
 template <Format F, Dot D = Dot::kF32>
@@ -573,14 +585,22 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
     const QPair* qp = q.get();
     const int64_t units = (n + group - 1) / group;
     kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
+#if defined(KIPP_AVX2)
+      avx2::QUnit<F>(qp, wp, dp, mp, yp, rows, k, n, group, u);
+#else
       QUnit<F>(qp, wp, dp, mp, yp, rows, k, n, group, u);
+#endif
     });
     return ffi::Error::Success();
   }
   const int64_t group = Group(rows, k);
   const int64_t units = (n + group - 1) / group;
   kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
+#if defined(KIPP_AVX2)
+    avx2::Unit<F>(xp, wp, dp, mp, yp, rows, k, n, group, u);
+#else
     Unit<F>(xp, wp, dp, mp, yp, rows, k, n, group, u);
+#endif
   });
   return ffi::Error::Success();
 }
