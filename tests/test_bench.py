@@ -363,6 +363,25 @@ def test_a_jax_arm_without_a_gpu_measures_the_twins_unasked(tiny_home, monkeypat
     assert "twins" in arm["info"]["describe"] and arm["spec"]["expect_path"] == ["twin"]
 
 
+def test_the_kernels_page_keeps_the_multi_host_section(tmp_path):
+    """`bench report` rewrites results/kernels-h200.md from the newest compile record: the
+    multi-host step's section (its own record, from `bench kernels --multihost`) is kept."""
+    import shutil
+
+    from bench import kernels
+
+    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    shutil.copy(sorted(results.glob("*-kernels-h200.json"))[-1], tmp_path)
+    page = report.kernels_page(tmp_path).read_text()
+    assert kernels.BEGIN in page and kernels.HOSTS_BEGIN not in page
+    hosts = sorted(results.glob("*-multihost-h200.json"))[-1]
+    shutil.copy(hosts, tmp_path)
+    page = report.kernels_page(tmp_path).read_text()
+    rendered = kernels.render_hosts(json.loads(hosts.read_text()))
+    assert page.count(kernels.HOSTS_BEGIN) == 1 and rendered in page
+    assert page.index(kernels.END) < page.index(kernels.HOSTS_BEGIN) < page.index(rendered)
+
+
 def test_runner_reports_missing_artifacts_as_unavailable(tiny_home):
     [path] = runner.run(_config(tiny_home, schemes=["q8_0"]))
     [arm] = json.loads(path.read_text())["arms"]
