@@ -39,16 +39,15 @@ inline void Decode(const void* w, const uint16_t* d, const uint16_t* m, int64_t 
     for (int i = 0; i < 2; ++i) {
       const __m256i wide =
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)));
-      const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(wide, mask));
-      const __m256 c = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
-      if constexpr (F == Format::kScale4) {  // d * (q - 8)
-        const __m256 eight = _mm256_set1_ps(8.0f);
-        out[i] = _mm256_mul_ps(scale, _mm256_sub_ps(a, eight));
-        out[i + 2] = _mm256_mul_ps(scale, _mm256_sub_ps(c, eight));
+      const __m256i a = _mm256_and_si256(wide, mask), c = _mm256_srli_epi32(wide, 4);
+      if constexpr (F == Format::kScale4) {  // d * (q - 8), q - 8 in the integer lanes (exact)
+        const __m256i eight = _mm256_set1_epi32(8);
+        out[i] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(a, eight)));
+        out[i + 2] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(c, eight)));
       } else {  // d * q + m
         const __m256 low = _mm256_set1_ps(_cvtsh_ss(m[at]));
-        out[i] = _mm256_fmadd_ps(scale, a, low);
-        out[i + 2] = _mm256_fmadd_ps(scale, c, low);
+        out[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(a), low);
+        out[i + 2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(c), low);
       }
     }
   }
