@@ -17,9 +17,9 @@ KIPP_JAX_CPU_STORED=0 turns it off. Twin: kipp.cuda.pallas.quant_matmul.quant_ma
 Dot.INT8 (KIPP_JAX_CPU_DOT=int8, opt-in) rounds each row of x to int8 per 32-block (llama.cpp's
 q8_0 activation) and runs the quantized formats as integer dots (AVX-512 VNNI where present,
 AVX2's vpmaddubsw where that is the widest): about twice the compute rate per core with VNNI,
-faster than the float32 dot at 4 bits on AVX2 only at some shapes, each row still bitwise the same alone or
-batched, but
-the rounding moves the logits outside the JAX backend's calibrated bounds (docs/backends.md).
+faster than the float32 dot at 4 bits on AVX2 only at some shapes; each row still bitwise the
+same alone or batched, but the rounding moves the logits outside the JAX backend's calibrated
+bounds (docs/backends.md).
 """
 
 from __future__ import annotations
