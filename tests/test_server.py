@@ -193,7 +193,9 @@ def _stream_text(server, body, results, key, kill_after=None):
     """Read one SSE stream; with kill_after, drop the connection after that many chunks."""
     host, port = "127.0.0.1", server.port
     payload = json.dumps(body).encode()
-    sock = socket.create_connection((host, port), timeout=120)
+    # A stream queued behind three full batches sees its first byte only when it is admitted:
+    # on a busy machine that can take minutes; the callers bound the whole run instead.
+    sock = socket.create_connection((host, port), timeout=280)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     f = sock.makefile("rb")
