@@ -93,9 +93,7 @@ constexpr int Width(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
 template <Format F>
 struct Fused {
-  using Fn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
-                      int64_t, float*, int64_t);
-  static constexpr Fn kTiles[kRows][kTile] = {
+  static constexpr FusedFn kTiles[kRows][kTile] = {
       {FusedTile<F, 1, 1>, FusedTile<F, 1, 2>, FusedTile<F, 1, 3>, FusedTile<F, 1, 4>},
       {FusedTile<F, 2, 1>, FusedTile<F, 2, 2>, nullptr, nullptr},
       {FusedTile<F, 3, 1>, nullptr, nullptr, nullptr},
@@ -124,7 +122,6 @@ void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
 
 // A long round's tiles: 3 x rows by 2 W rows (12 accumulators, 2 weight vectors, one x).
 constexpr int64_t kLongRows = 3, kLongCols = 2;
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
 constexpr TileFn kTiles[kLongRows][kLongCols] = {
     {Tile<1, 1>, Tile<1, 2>}, {Tile<2, 1>, Tile<2, 2>}, {Tile<3, 1>, Tile<3, 2>}};
 
@@ -254,9 +251,7 @@ void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const u
 
 template <Format F>
 struct QTiles {
-  using Fn = void (*)(const QPair*, int64_t, int64_t, const void*, const uint16_t*,
-                      const uint16_t*, int64_t, float*, int64_t);
-  static constexpr Fn kTiles[kRows][kTile] = {
+  static constexpr QTileFn kTiles[kRows][kTile] = {
       {QTile<F, 1, 1>, QTile<F, 1, 2>, QTile<F, 1, 3>, QTile<F, 1, 4>},
       {QTile<F, 2, 1>, QTile<F, 2, 2>, nullptr, nullptr},
       {QTile<F, 3, 1>, nullptr, nullptr, nullptr},

@@ -236,12 +236,13 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
 
 // Tiles of a decode round: up to 4 rows x 4 W rows, 5 to 8 rows x 2 W rows (16 accumulators).
 constexpr int kFusedRows = 8;
+// A decode round's tile as the tables (this one and stored_avx2.h's) hold it.
+using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
+                         int64_t, float*, int64_t);
 template <Format F>
 struct Fused {
-  using Fn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
-                      int64_t, float*, int64_t);
   static constexpr int Width(int rows) { return rows <= 4 ? 4 : 2; }
-  static constexpr Fn kTiles[kFusedRows][kTile] = {
+  static constexpr FusedFn kTiles[kFusedRows][kTile] = {
       {FusedTile<F, 1, 1>, FusedTile<F, 1, 2>, FusedTile<F, 1, 3>, FusedTile<F, 1, 4>},
       {FusedTile<F, 2, 1>, FusedTile<F, 2, 2>, FusedTile<F, 2, 3>, FusedTile<F, 2, 4>},
       {FusedTile<F, 3, 1>, FusedTile<F, 3, 2>, FusedTile<F, 3, 3>, FusedTile<F, 3, 4>},
@@ -510,11 +511,12 @@ void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const u
 }
 
 constexpr int kQRows = 4;
+// An int8 tile as the tables (this one and stored_avx2.h's) hold it.
+using QTileFn = void (*)(const QPair*, int64_t, int64_t, const void*, const uint16_t*,
+                         const uint16_t*, int64_t, float*, int64_t);
 template <Format F>
 struct QTiles {
-  using Fn = void (*)(const QPair*, int64_t, int64_t, const void*, const uint16_t*,
-                      const uint16_t*, int64_t, float*, int64_t);
-  static constexpr Fn kTiles[kQRows][kTile] = {
+  static constexpr QTileFn kTiles[kQRows][kTile] = {
       {QTile<F, 1, 1>, QTile<F, 1, 2>, QTile<F, 1, 3>, QTile<F, 1, 4>},
       {QTile<F, 2, 1>, QTile<F, 2, 2>, QTile<F, 2, 3>, QTile<F, 2, 4>},
       {QTile<F, 3, 1>, QTile<F, 3, 2>, QTile<F, 3, 3>, QTile<F, 3, 4>},
