@@ -93,7 +93,7 @@ def throughput_summary(all_records: list[tuple[Path, dict]], refs: _Refs) -> lis
                 "| arm | " + " | ".join(THROUGHPUT_WORKLOADS) + " | peak RSS |",
                 "| --- " * (len(THROUGHPUT_WORKLOADS) + 2) + "|"]
         for name in arms:
-            row, rss = [], []
+            row, runs = [], {}
             for w in THROUGHPUT_WORKLOADS:
                 if name not in cells[w]:
                     row.append("–")
@@ -101,8 +101,12 @@ def throughput_summary(all_records: list[tuple[Path, dict]], refs: _Refs) -> lis
                 path, arm = cells[w][name]
                 value = sig(arm["summary"]["median"]) if arm["status"] == "ok" else arm["status"]
                 row.append(f"{value} {refs.mark(path)}")
-                rss += [arm["peak_rss_bytes"]] if arm.get("peak_rss_bytes") else []
-            peak = f"{max(rss) / 2**30:.2f} GiB" if rss else "–"
+                if arm.get("peak_rss_bytes"):  # a run's records share its time stamp
+                    run = runs.setdefault(path.name.split(f"-{w}-")[0], [path, 0])
+                    run[1] = max(run[1], arm["peak_rss_bytes"])
+            # the newest run's peak: one arm worker's, never a maximum over other runs' layouts
+            path, rss = runs[max(runs)] if runs else (None, 0)
+            peak = f"{rss / 2**30:.2f} GiB {refs.mark(path)}" if rss else "–"
             out.append(f"| {name} | " + " | ".join(row) + f" | {peak} |")
     return out
 

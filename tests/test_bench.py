@@ -363,6 +363,20 @@ def test_a_jax_arm_without_a_gpu_measures_the_twins_unasked(tiny_home, monkeypat
     assert "twins" in arm["info"]["describe"] and arm["spec"]["expect_path"] == ["twin"]
 
 
+def test_the_summary_peak_rss_is_the_newest_runs(tmp_path):
+    """An arm's row mixes records (each workload's newest run); its peak RSS is the newest
+    run's, with that record's mark, not the largest of every run the row shows."""
+    old, new = fixture_record(), fixture_record()
+    old["workload"]["name"] = "prefill512"
+    old["arms"][0]["peak_rss_bytes"], new["arms"][0]["peak_rss_bytes"] = 5 * 2**30, 2**30
+    paths = [tmp_path / "2026-01-01-000000-prefill512-x.json",
+             tmp_path / "2026-01-02-000000-decode-x.json"]
+    refs = report._Refs(tmp_path)
+    lines = report.throughput_summary(list(zip(paths, (old, new))), refs)
+    row = next(line for line in lines if line.startswith("| kipp-reference/bf16 |"))
+    assert row.endswith(f"| 1.00 GiB {refs.mark(paths[1])} |"), row
+
+
 def test_the_kernels_page_keeps_the_multi_host_section(tmp_path):
     """`bench report` rewrites results/kernels-h200.md from the newest compile record: the
     multi-host step's section (its own record, from `bench kernels --multihost`) is kept."""
