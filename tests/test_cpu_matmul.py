@@ -137,7 +137,10 @@ def test_the_build_is_the_widest_set_the_cpu_reports():
         pytest.skip(cpu_matmul.available()[1])
     line = next(x for x in cpuinfo.read_text().splitlines() if x.startswith("flags"))
     flags = set(line.split(":", 1)[1].split())
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    if avx512 | {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        want = cpu_matmul.Isa.AMX  # Linux lists AMX only where it hands out the tile state
+    elif avx512 <= flags:
         want = cpu_matmul.Isa.AVX512_VNNI
     elif {"avx2", "fma", "f16c"} <= flags:
         want = cpu_matmul.Isa.AVX2
@@ -145,3 +148,20 @@ def test_the_build_is_the_widest_set_the_cpu_reports():
         want = cpu_matmul.Isa.PORTABLE
     assert cpu_matmul.cpu_isa() is want
     assert cpu_matmul.available()[1].startswith(f"built for {want.value} at ")
+
+
+def test_a_narrower_build_is_chosen_by_name(monkeypatch):
+    """$KIPP_CPU_ISA picks a build no wider than the CPU's; a wider one, or a name that is
+    none, is an error naming the variable."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 builds")
+    widest = cpu_matmul.widest_isa()
+    monkeypatch.setenv(cpu_matmul.ISA_ENV, "portable")
+    assert cpu_matmul.cpu_isa() is cpu_matmul.Isa.PORTABLE
+    monkeypatch.setenv(cpu_matmul.ISA_ENV, "avx1024")
+    with pytest.raises(RuntimeError, match="KIPP_CPU_ISA='avx1024': expected one of amx, "):
+        cpu_matmul.cpu_isa()
+    if widest is not cpu_matmul.Isa.AMX:
+        monkeypatch.setenv(cpu_matmul.ISA_ENV, "amx")
+        with pytest.raises(RuntimeError, match=f"this CPU runs at most {widest.value}"):
+            cpu_matmul.cpu_isa()

@@ -10,6 +10,11 @@ float32 dot) 1.8e-7. The gate is BOUND = 4e-7. An off-by-one block index or a wr
 scale moves outputs by ~1e-1 of that magnitude: `test_the_gate_sees_a_shifted_block_or_a_wrong_
 scale` checks the gate catches both (and both, planted in the kernel, failed it).
 
+The AMX build's BF16 dot (stored_amx.h) multiplies x as three exact bf16 parts on the tile unit
+and accumulates in its own order: max 7.3e-8 of the magnitude over the same cases, inside BOUND.
+Planted, two parts instead of three gave 5.4e-6, and a tile's outputs written one x row off
+gave 9e-2: both failed the gate.
+
 The int8 dot (Dot.INT8): against float64 over numpy's int8 rounding of x (_int8_rows) max
 6.8e-8 of the magnitude, INT8_BOUND = 4e-7; against x itself max 3.85e-3 (the rounding),
 INT8_X_BOUND = 8e-3. Through the backend against the reference with the same rounding, worst-row
@@ -79,11 +84,12 @@ def _err(got, x, dense):
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 37, 64), (2, 16, 96), (3, 21, 128),
                                    (4, 64, 256), (5, 19, 64), (8, 200, 512), (9, 33, 96),
                                    (17, 70, 160), (64, 48, 1024), (13, 300, 256),
-                                   (10, 40, 4096), (1, 256, 4096)])
+                                   (10, 40, 4096), (1, 256, 4096), (40, 130, 3072)])
 def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
     """Row counts on every tile (1..8 rows decoded into registers, more through the scratch
     in tiles of up to 6), W row counts leaving partial tiles and units (a long round's unit
-    is as many W rows as fill the scratch: 16 to 128 here), one to 128 blocks a row."""
+    is as many W rows as fill the scratch: 16 to 128 here), one to 128 blocks a row; in the
+    AMX build's BF16 dot, partial and odd tiles of 16 x rows and of 16 W rows."""
     x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
     got = jax.jit(stored_matmul.matmul)(x, w)
     twin = jax.jit(twin_matmul.linear)(x, jax.tree.map(jnp.asarray, w))  # what XLA runs
@@ -320,47 +326,92 @@ def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, scheme):
     assert not plain.passed
 
 
-@pytest.mark.slow  # two extra compiles of the kernel library (~1 min)
-@needs_kernel
-@pytest.mark.parametrize("isa", ["avx2", "portable"])
-def test_the_fallback_paths_give_the_same_bits(tmp_path, isa):
-    """The kernel built for AVX2 + FMA, and for the baseline x86-64 set (plain C++ decode,
-    std::fma), registered under its own target names: bitwise the build this CPU loaded
-    (cpu_matmul.cpu_isa()), every scheme and both dots (the int8 dot's plain lanes vs
-    vpdpbusd), decode and prefill row counts. (Skipped off x86, and for the loaded build.)"""
+_SYMBOLS = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4", "affine4_gs32": "Affine4"}
+_DOTS = [(scheme, dot) for scheme in SCHEMES for dot in stored_matmul.Dot
+         if dot is stored_matmul.Dot.F32 or scheme in stored_matmul.INT8_FORMATS]
+_BUILT: dict[str, str] = {}
+
+
+def _register(isa: str, directory) -> str:
+    """The kernel built for `isa`, its handlers registered under target names ending in
+    `_{isa}` (once a process); returns that suffix."""
     import ctypes
+
+    from kipp.cuda.cpu import matmul as cpu_matmul
+
+    if isa not in _BUILT:
+        library = ctypes.CDLL(str(cpu_matmul.build(directory, isa=isa)))
+        for scheme, dot in _DOTS:
+            tail = "Int8" if dot is stored_matmul.Dot.INT8 else ""
+            jax.ffi.register_ffi_target(
+                f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{isa}",
+                jax.ffi.pycapsule(getattr(library, f"KippCpuStoredMatmul{_SYMBOLS[scheme]}{tail}")),
+                platform="cpu")
+        cpu_matmul._LIBRARIES.append(library)  # keep its code mapped: XLA holds the handlers
+        _BUILT[isa] = isa
+    return _BUILT[isa]
+
+
+def _call_build(isa, scheme, dot, x, w):
+    planes = [a[None] for a in (w.w, w.d, w.m) if a is not None]
+    out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{isa}", out)(
+        x, *planes, np.zeros(1, np.int32))
+
+
+@pytest.mark.slow  # extra compiles of the kernel library (~1 min each)
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx512_vnni", "avx2", "portable"])
+def test_the_fallback_paths_give_the_same_bits(tmp_path_factory, isa):
+    """The kernel built for AVX-512 + VNNI, for AVX2 + FMA, and for the baseline x86-64 set
+    (plain C++ decode, std::fma), registered under its own target names: bitwise the build
+    this CPU loaded (cpu_matmul.cpu_isa()), every scheme and both dots (the int8 dot's plain
+    lanes vs vpdpbusd), decode and prefill row counts. The AMX build's BF16 dot runs on the
+    tile unit, its own numerics (test_the_amx_bf16_dot_*): its FMA-chain reference is the
+    AVX-512 build. (Skipped off x86, for the loaded build and for one this CPU cannot run.)"""
     import platform
 
     from kipp.cuda.cpu import matmul as cpu_matmul
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 builds")
-    if cpu_matmul.cpu_isa() == isa:
+    loaded, order = cpu_matmul.cpu_isa(), cpu_matmul.X86_ORDER
+    if loaded.value == isa:
         pytest.skip(f"{isa} is the build this CPU loaded")
-    library = ctypes.CDLL(str(cpu_matmul.build(tmp_path, isa=isa)))
-    suffix = isa
-    symbols = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4",
-               "affine4_gs32": "Affine4"}
-    dots = [(scheme, dot) for scheme in SCHEMES for dot in stored_matmul.Dot
-            if dot is stored_matmul.Dot.F32 or scheme in stored_matmul.INT8_FORMATS]
-    for scheme, dot in dots:
-        tail = "Int8" if dot is stored_matmul.Dot.INT8 else ""
-        jax.ffi.register_ffi_target(f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{suffix}",
-                                    jax.ffi.pycapsule(getattr(
-                                        library, f"KippCpuStoredMatmul{symbols[scheme]}{tail}")),
-                                    platform="cpu")
-    cpu_matmul._LIBRARIES.append(library)  # keep its code mapped: XLA holds the handlers
-    for scheme, dot in dots:
+    if order.index(cpu_matmul.Isa(isa)) > order.index(loaded):
+        pytest.skip(f"this CPU runs at most {loaded.value}")
+    directory = tmp_path_factory.mktemp("builds")
+    suffix = _register(isa, directory)
+    for scheme, dot in _DOTS:
+        tiles = loaded is cpu_matmul.Isa.AMX and scheme == "bf16" and dot is stored_matmul.Dot.F32
+        if tiles and isa == "avx512_vnni":
+            continue  # the AMX build's tile dot is the reference's own numerics, not these
         for m in (1, 3, 8, 13):
             x, w, _ = _case(m + 40, scheme, m, 37, 160)
-            planes = [a[None] for a in (w.w, w.d, w.m) if a is not None]
-            out = jax.ShapeDtypeStruct((m, 37), jnp.float32)
-            fallback = jax.ffi.ffi_call(
-                f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{suffix}", out)(
-                x, *planes, np.zeros(1, np.int32))
-            loaded = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
+            fallback = _call_build(suffix, scheme, dot, x, w)
+            if tiles:
+                reference = _call_build(_register("avx512_vnni", directory), scheme, dot, x, w)
+            else:
+                reference = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
             assert np.array_equal(np.asarray(fallback).view(np.uint32),
-                                  np.asarray(loaded).view(np.uint32)), (scheme, dot, m)
+                                  np.asarray(reference).view(np.uint32)), (scheme, dot, m)
+
+
+@pytest.mark.slow  # an extra compile of the kernel library (~1 min)
+@needs_kernel
+def test_the_amx_bf16_dot_runs_on_the_tiles(tmp_path_factory):
+    """Where the AMX build loaded, its BF16 dot is not the FMA chains' (the AVX-512 build's)
+    bit for bit, so the tile path is what ran, and both are inside the gate."""
+    from kipp.cuda.cpu import matmul as cpu_matmul
+
+    if cpu_matmul.cpu_isa() is not cpu_matmul.Isa.AMX:
+        pytest.skip(f"the loaded build is {cpu_matmul.cpu_isa().value}, not amx")
+    suffix = _register("avx512_vnni", tmp_path_factory.mktemp("builds"))
+    x, w, dense = _case(3, "bf16", 13, 37, 1024)
+    tiles = jax.jit(stored_matmul.matmul)(x, w)
+    chains = _call_build(suffix, "bf16", stored_matmul.Dot.F32, x, w)
+    assert not np.array_equal(np.asarray(tiles), np.asarray(chains))
+    assert _err(tiles, x, dense) <= BOUND and _err(chains, x, dense) <= BOUND
 
 
 @needs_kernel

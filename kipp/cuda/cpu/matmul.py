@@ -7,9 +7,10 @@ weight read (`python -m kipp.cuda.bench --layouts` measures both). Layout (`pack
 panels [N/8, K, 8], one 8-float vector per k, streamed front to back; the embedding shares the
 tied head's panels (`rows`). The kernel (matmul.cc, an XLA FFI handler) is compiled at first use
 with the system's C++ compiler against the JAX headers, for the instruction set this CPU
-reports at load (`cpu_isa()`: AVX-512 + VNNI, AVX2 + FMA or portable on x86), into $KIPP_HOME/build
-keyed by source, compiler, JAX and instruction set, in one library with Kipp's CPU decode
-attention (attention.cc) and stored-format matmul (stored_matmul.cc). Each output is one FMA
+reports at load (`cpu_isa()`: AMX, AVX-512 + VNNI, AVX2 + FMA or portable on x86; $KIPP_CPU_ISA
+picks a narrower one), into $KIPP_HOME/build keyed by source, compiler, JAX and instruction
+set, in one library with Kipp's CPU decode attention (attention.cc) and stored-format matmul
+(stored_matmul.cc). Each output is one FMA
 chain over k: a row's result is bitwise the same alone or batched. `available()` says why when
 it cannot be built (the backend then keeps XLA's dot); KIPP_JAX_CPU_MATMUL=0 turns it off.
 Twin: `matmul_reference`.
@@ -39,7 +40,7 @@ PANEL = 8  # output columns per panel (one 8-float vector)
 TARGET = "kipp_cpu_matmul_f32"
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matmul.cc", HERE / "attention.cc", HERE / "stored_matmul.cc")  # one library
-HEADERS = (HERE / "kernels.h", HERE / "stored_avx2.h")
+HEADERS = (HERE / "kernels.h", HERE / "stored_avx2.h", HERE / "stored_amx.h")
 # FFI target -> the handler symbol the library exports
 TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention",
            "kipp_cpu_stored_matmul_bf16": "KippCpuStoredMatmulBf16",
@@ -60,15 +61,18 @@ class Isa(str, enum.Enum):
     CPU that has it), chosen at load by the CPU's own answer (isa.cc), never -march=native on
     x86. NATIVE is the rest (Arm: -march=native)."""
 
+    AMX = "amx"  # AVX512_VNNI's set + AMX tiles (BF16) + AVX-512 BF16, the OS granting tiles
     AVX512_VNNI = "avx512_vnni"  # AVX-512 F/BW/VL/DQ + VNNI (+ AVX2, FMA, F16C)
     AVX2 = "avx2"  # AVX2 + FMA + F16C
     PORTABLE = "portable"  # the baseline x86-64 set: plain C++ and std::fma
     NATIVE = "native"
 
 
+_AVX512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+           "-mavx512vnni")
 ISA_FLAGS = {
-    Isa.AVX512_VNNI: ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                      "-mavx512dq", "-mavx512vnni"),
+    Isa.AMX: (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    Isa.AVX512_VNNI: _AVX512,
     Isa.AVX2: ("-mavx2", "-mfma", "-mf16c"),
     Isa.PORTABLE: (),
     Isa.NATIVE: ("-march=native",),
@@ -158,16 +162,38 @@ def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (),
                     Path(directory or _home() / "build"), "cpu_kernels")
 
 
-@functools.lru_cache(maxsize=1)
+X86_ORDER = (Isa.PORTABLE, Isa.AVX2, Isa.AVX512_VNNI, Isa.AMX)  # narrowest first
+ISA_ENV = "KIPP_CPU_ISA"  # a narrower build than the CPU's widest (to compare builds)
+
+
 def cpu_isa() -> Isa:
-    """The build this CPU runs: on x86 the widest of ISAS it supports, asked of the CPU by a
+    """The build this process loads: the CPU's widest (`widest_isa()`), or a narrower one
+    $KIPP_CPU_ISA names; raises RuntimeError naming the variable for a build this CPU cannot
+    run or a name it does not know."""
+    widest = widest_isa()
+    value = os.environ.get(ISA_ENV, "")
+    if not value:
+        return widest
+    try:
+        wanted = Isa(value)
+    except ValueError:
+        raise RuntimeError(f"{ISA_ENV}={value!r}: expected one of "
+                           f"{', '.join(i.value for i in Isa)}") from None
+    runs = X86_ORDER[:X86_ORDER.index(widest) + 1] if widest in X86_ORDER else (widest,)
+    if wanted not in runs:
+        raise RuntimeError(f"{ISA_ENV}={value}: this CPU runs at most {widest.value}")
+    return wanted
+
+
+@functools.lru_cache(maxsize=1)
+def widest_isa() -> Isa:
+    """The widest build this CPU runs: on x86 asked of the CPU (and, for AMX, of the OS) by a
     baseline-compiled probe (isa.cc); NATIVE elsewhere."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return Isa.NATIVE
     probe = _compile((PROBE,), (), ("-O2", "-fPIC", "-shared"), (), platform.machine(),
                      _home() / "build", "cpu_isa")
-    answer = ctypes.CDLL(str(probe)).KippCpuIsa()
-    return (Isa.PORTABLE, Isa.AVX2, Isa.AVX512_VNNI)[answer]
+    return X86_ORDER[ctypes.CDLL(str(probe)).KippCpuIsa()]
 
 
 def _home() -> Path:

@@ -7,7 +7,9 @@
 // kipp/formats/quant.py does (bits << 16; d * q; d * (q - 8); d * q + m), with AVX-512 where
 // the build has it (kipp/cuda/cpu/matmul.py builds for the set the CPU reports at load; the
 // 4-bit formats as a 16-entry table per block, looked up per nibble), AVX2 + FMA in the build
-// for that set (stored_avx2.h: the same operations in 8-float halves), plain C++ otherwise.
+// for that set (stored_avx2.h: the same operations in 8-float halves), plain C++ otherwise;
+// in the build for CPUs with AMX tiles, BF16 weights meet x on the tile unit (stored_amx.h,
+// its own numerics, described there).
 // A decode round (up to 8 rows of x) decodes each block once into registers and multiplies
 // every row against it; a longer round's unit is as many W rows as fill an L2-sized float32
 // scratch (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by
@@ -545,6 +547,11 @@ void QUnit(const QPair* x, const void* w, const uint16_t* d, const uint16_t* m, 
 #include "stored_avx2.h"  // this build's Unit and QUnit, in 8-float halves
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define KIPP_AMX 1
+#include "stored_amx.h"  // this build's BF16 dot, on the tile unit
+#endif
+
 // Shared by every format's handler: checks, the layer's planes, the parallel loop.
 // `per_row` is the plane's elements per weight row ([L, N, per_row] once flattened).
 template <Format F, Dot D = Dot::kF32>
@@ -595,6 +602,28 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
     });
     return ffi::Error::Success();
   }
+#if defined(KIPP_AMX)
+  if constexpr (F == Format::kBf16) {
+    if (!amx::Permitted()) {
+      return ffi::Error::Internal(
+          "kipp_cpu_stored_matmul: Linux refused this process AMX tile state (arch_prctl)");
+    }
+    const int64_t groups = (rows + amx::kRows - 1) / amx::kRows;
+    std::unique_ptr<uint16_t, decltype(&std::free)> xs(
+        static_cast<uint16_t*>(std::aligned_alloc(
+            64, groups * blocks * amx::kParts * amx::kTileHalves * sizeof(uint16_t))),
+        &std::free);
+    if (!xs) throw std::bad_alloc();
+    uint16_t* xsp = xs.get();
+    kipp::ParallelFor(pool, groups, 1, [=](int64_t g) { amx::Prepare(xp, rows, k, g, xsp); });
+    const uint16_t* w16 = static_cast<const uint16_t*>(wp);
+    const int64_t group = amx::Group(rows), units = (n + group - 1) / group;
+    kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
+      amx::Unit(xsp, w16, yp, rows, k, n, group, u);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   const int64_t group = Group(rows, k);
   const int64_t units = (n + group - 1) / group;
   kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {

@@ -4,7 +4,7 @@
 Why: a CPU decode step is bound by the bytes it streams; the float32 panels (kipp.cuda.cpu.
 matmul) stream 4 bytes a weight whatever the artifact holds, and XLA's own dots over the stored
 planes run far slower. The kernel (stored_matmul.cc, built into the library kipp.cuda.cpu.matmul
-builds for the instruction set the CPU reports at load: AVX-512 + VNNI, AVX2 + FMA, or plain
+builds for the instruction set the CPU reports at load: AMX, AVX-512 + VNNI, AVX2 + FMA, or plain
 C++) decodes the weights exactly as kipp.formats.quant.dequantize does,
 into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
 multiplies every row of x against them: each stored byte is read once per call, however many
@@ -13,6 +13,11 @@ stored format where this kernel runs (kipp.memory). The activation stays float32
 against the float64 oracle is float32 summation (tests/test_cpu_stored_matmul.py), and a row's
 result is bitwise the same alone or batched. `available()` says why when it cannot be built;
 KIPP_JAX_CPU_STORED=0 turns it off. Twin: kipp.cuda.pallas.quant_matmul.quant_matmul_reference.
+
+On a CPU with AMX tiles the BF16 dot runs on the tile unit (stored_amx.h): x as three bf16 parts
+that sum to it exactly, the weights read in place, about 2.5 times the AVX-512 rate for a
+prefill chunk; its own summation order (still bitwise the same alone or batched), inside the
+same bound against float64.
 
 Dot.INT8 (KIPP_JAX_CPU_DOT=int8, opt-in) rounds each row of x to int8 per 32-block (llama.cpp's
 q8_0 activation) and runs the quantized formats as integer dots (AVX-512 VNNI where present,
