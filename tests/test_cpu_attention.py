@@ -1,11 +1,13 @@
-"""Kipp's CPU decode attention (kipp/cuda/cpu/attention.*): kernel vs the jax.numpy twin vs numpy
-in float64, a stacked slab's layer, per-sequence independence (bitwise), bad input, and the
+"""Kipp's CPU attention (kipp/cuda/cpu/attention.*), decode (one query a sequence) and prefill
+(several): kernel vs the jax.numpy twin vs numpy in float64, a stacked slab's layer, per-sequence
+independence and a prefill query's bits equal to a decode query's (bitwise), bad input, and the
 JAX backend's use of it.
 
 Bound: the kernel and the twin both compute in float32 from the same BF16 K and V; against
 float64 numpy their error is a few float32 ulps of the output's scale. Measured (max |err| /
 max |want| per sequence, positions 31 to 199, groups of 2 and 5; position 0 is exact): kernel
-1.8e-7 .. 6.4e-7, twin 2.3e-7 .. 5.8e-7; the gate is 2e-6.
+1.8e-7 .. 6.4e-7, twin 2.3e-7 .. 5.8e-7; the gate is 2e-6. A prefill query runs the same
+operations as a decode query at its position, so the same bound holds and the bits are equal.
 """
 
 import ml_dtypes
@@ -93,6 +95,49 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_a_batch():
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads", [16, 40])
+def test_prefill_matches_numpy_and_the_twin_and_each_query_is_its_decode(heads):
+    """Two sequences of a round: a 70-query chunk from position 0 (three query tiles of the
+    kernel's 32, block edges inside) and a 5-query chunk continuing at 197 with padding
+    queries behind it, scrambled tables. Each live query within the bound of float64 numpy
+    attention over its own positions; each one bitwise decode_attention's at its position;
+    padding queries zeros."""
+    rng = np.random.default_rng(heads + 1)
+    k, v, kb, vb = _slab(rng, 24)
+    pos = np.full((2, 70), -1, np.int32)
+    pos[0] = np.arange(70)
+    pos[1, :5] = np.arange(197, 202)
+    tables = np.stack([rng.permutation(24)[:8] for _ in range(2)]).astype(np.int32)
+    q = rng.standard_normal((2, 70, heads, 128)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_attention.attention)(q, k, v, pos, tables))
+    twin = np.asarray(jax.jit(paged_attention_reference)(q, k, v, pos, tables))
+    decode = jax.jit(cpu_attention.decode_attention)
+    for s, i in zip(*np.nonzero(pos >= 0)):
+        want = _numpy(q[s, i], kb, vb, pos[s, i], tables[s])
+        assert _rel(got[s, i], want) <= BOUND, (s, i, _rel(got[s, i], want))
+        assert _rel(twin[s, i], want) <= BOUND
+    for s, i in [(0, 0), (0, 31), (0, 32), (0, 69), (1, 0), (1, 4)]:
+        alone = np.asarray(decode(q[s:s + 1, i], k, v, pos[s:s + 1, i], tables[s:s + 1]))
+        assert np.array_equal(alone[0], got[s, i]), (s, i)
+    assert np.array_equal(got[1, 5:], np.zeros_like(got[1, 5:]))
+
+
+@needs_kernel
+def test_prefill_reads_a_stacked_slab_at_its_layer():
+    rng = np.random.default_rng(4)
+    k, v, _, _ = _slab(rng, 3, 6)
+    pos = np.array([[38, 39, 40], [5, 6, -1]], np.int32)
+    tables = np.array([[4, 1], [0, 5]], np.int32)
+    q = rng.standard_normal((2, 3, 16, 128)).astype(np.float32)
+    stacked = jax.jit(lambda i: cpu_attention.attention(q, k, v, pos, tables, i))
+    own = jax.jit(cpu_attention.attention)
+    outs = [np.asarray(stacked(jnp.int32(i))) for i in range(3)]
+    for i, out in enumerate(outs):
+        assert np.array_equal(out, np.asarray(own(q, k[i], v[i], pos, tables))), i
+    assert not np.array_equal(outs[0], outs[1])
+
+
+@needs_kernel
 def test_bad_input_is_an_error_naming_the_kernel():
     rng = np.random.default_rng(1)
     k, v, _, _ = _slab(rng, 2, 4)
@@ -102,6 +147,10 @@ def test_bad_input_is_an_error_naming_the_kernel():
         jax.block_until_ready(cpu_attention.decode_attention(q, k, v, pos, tables, 2))
     with pytest.raises(Exception, match="kipp_cpu_decode_attention: expected"):
         jax.block_until_ready(cpu_attention.decode_attention(q[:, :12], k, v, pos, tables, 0))
+    with pytest.raises(Exception, match="kipp_cpu_attention: layer out of range"):
+        jax.block_until_ready(cpu_attention.attention(q[:, None], k, v, pos[:, None], tables, 2))
+    with pytest.raises(Exception, match="kipp_cpu_attention: expected"):
+        jax.block_until_ready(cpu_attention.attention(q[:, None], k, v, pos, tables[:, :0], 0))
 
 
 def test_the_switch_turns_it_off(monkeypatch):
@@ -128,7 +177,7 @@ def test_the_jax_backend_decodes_through_it(artifacts, monkeypatch):
         return backend.eval([EvalItem((11,), 40, (3, 1)), EvalItem((12,), 40, (3, 1))])
 
     on = JaxBackend(artifact, 6)
-    assert on.cpu_attention and "Kipp CPU decode attention" in on.describe()
+    assert on.cpu_attention and "Kipp CPU attention" in on.describe()
     assert not JaxBackend(artifact, 6, kv_scheme="q8_0").cpu_attention
     monkeypatch.setenv(cpu_attention.ENV, "0")
     off = JaxBackend(artifact, 6)
@@ -136,3 +185,6 @@ def test_the_jax_backend_decodes_through_it(artifacts, monkeypatch):
     for a, b in zip(decode(on), decode(off)):
         # measured NMSE 1.2e-13 and 1.7e-13: float32 rounding in another order
         assert gates.nmse(a, b) <= 1e-11 and np.array_equal(a.argmax(-1), b.argmax(-1))
+    # the prefill rounds too: every row of a 40-token chunk against the twin's
+    a, b = (x.eval([EvalItem(prompt, 0, (3, 1), logits_rows=40)])[0] for x in (on, off))
+    assert gates.nmse(a, b) <= 1e-11 and np.array_equal(a.argmax(-1), b.argmax(-1))

@@ -181,7 +181,7 @@ class JaxBackend(Backend):
             if self._dot is not cpu_stored.Dot.F32:
                 weights += f" ({self._dot.value} dot)"
         if self.cpu_attention:
-            weights += ", Kipp CPU decode attention"
+            weights += ", Kipp CPU attention"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
                 f"{weights}, {self.scheme.name} artifact ({self.memory.reason})"
                 f"{kv}{kernels})")

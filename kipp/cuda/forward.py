@@ -40,7 +40,7 @@ class Ops:
     kernels: bool = False  # Pallas kernels instead of the jax.numpy twins
     interpret: bool = False  # run the kernels in Pallas interpret mode (CPU tests)
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
-    cpu_attention: bool = False  # twins' decode attention on Kipp's CPU kernel (one CPU device)
+    cpu_attention: bool = False  # twins' attention on Kipp's CPU kernel (one CPU device)
     cpu_stored: bool = False  # twins' stored-format projections on Kipp's CPU matmul (one CPU)
     cpu_dot: str = "f32"  # that matmul's dot (kipp.cuda.cpu.stored_matmul.Dot), fixed at load
     pipeline: object = None  # a Mesh with a "pp" axis: stacked layers in stages (_pipeline)
@@ -71,11 +71,13 @@ class Ops:
         kind = "decode_attention" if q.shape[1] == 1 else "prefill_attention"
         kv = "q8_0" if isinstance(k_cache, QuantizedKV) else "bf16"
         if not self.kernels or f"{kind}/{kv}" in self.twins:
-            if self.cpu_attention and q.shape[1] == 1 and kv == "bf16" and \
-                    k_cache.dtype == jnp.uint16:  # a decode round over the CPU's BF16 bits
-                return cpu_attention.decode_attention(q[:, 0], k_cache, v_cache,
-                                                      r.query_pos[:, 0], r.block_tables,
-                                                      layer)[:, None]
+            if self.cpu_attention and kv == "bf16" and k_cache.dtype == jnp.uint16:
+                if q.shape[1] == 1:  # a decode round over the CPU's BF16 bits
+                    return cpu_attention.decode_attention(q[:, 0], k_cache, v_cache,
+                                                          r.query_pos[:, 0], r.block_tables,
+                                                          layer)[:, None]
+                return cpu_attention.attention(q, k_cache, v_cache, r.query_pos,
+                                               r.block_tables, layer)
             return prefill_mod.paged_attention_reference(q, k_cache, v_cache, r.query_pos,
                                                          r.block_tables, layer)
         if layer is not None:

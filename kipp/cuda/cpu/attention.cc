@@ -1,23 +1,26 @@
-// Kipp's CPU decode attention for the JAX backend: one query per sequence over the paged BF16
-// KV slab, an XLA FFI handler (kipp/cuda/cpu/attention.py).
+// Kipp's CPU attention for the JAX backend over the paged BF16 KV slab, XLA FFI handlers
+// (kipp/cuda/cpu/attention.py): one query per sequence (a decode round) or several (a prefill
+// chunk, or a round mixing chunks and decode rows).
 //
 // The step has already stored this round's rows in the slab (its own in-place scatter); the
-// handler only reads it:
-// out[s, h] = softmax_p(q[s, h] . K[s, p, h / group] * 128^-0.5) . V[s, p, h / group] over the
-// positions p = 0..pos[s] of sequence s, position p read at slab row
+// handlers only read it:
+// out[s, t, h] = softmax_p(q[s, t, h] . K[s, p, h / group] * 128^-0.5) . V[s, p, h / group]
+// over the positions p = 0..pos[s, t] of sequence s, position p read at slab row
 // tables[s, p / 32] * 32 + p % 32 (a block outside the slab clamped into it: the backend's
 // checks keep tables inside it, so this only bounds the reads), from
 // layer `layer` of a slab [layers, blocks, 32, 8, 128] of BF16 bit patterns (uint16). A
-// sequence with pos < 0 (a padding row) gets zeros.
+// query with pos < 0 (a padding row) gets zeros.
 //
 // Why: the jax.numpy twin gathers each sequence's rows, widens and (for the grouped form)
-// transposes them before two tiny batched dots, which made an 8-sequence decode step grow with
-// context on XLA's CPU (bench/results/*-batch_scaling-*). Here each unit of work, one sequence
-// and one KV head, reads its K and V rows once, straight from the slab, and serves the `group`
-// query heads that share them: scores for every position, then the softmax, then the weighted
-// sum of V rows. Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds
-// (even and odd vectors) then a fixed pairwise sum, so a sequence's result does not depend on
-// the others in the round or on the thread split.
+// transposes them before batched dots over every position, masked or not: an 8-sequence decode
+// step grew with context on XLA's CPU (bench/results/*-batch_scaling-*), and a prefill chunk's
+// attention cost more than its matmuls. Here each unit of work, one sequence, one KV head and
+// up to 32 queries, widens the K and V rows its queries see, a chunk at a time, once for all
+// the query heads that share them: scores, then each query's softmax, then the weighted sum of
+// V rows. Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even
+// and odd vectors) then a fixed pairwise sum, so a query's result depends neither on the other
+// queries and sequences in the round nor on the thread split.
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -35,6 +38,8 @@ constexpr int64_t kHeadDim = 128;
 constexpr int64_t kVectors = kHeadDim / 8;
 constexpr int64_t kBlock = 32;  // positions per KV block
 constexpr int64_t kKvHeads = 8;
+constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a prefill chunk)
+constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
 
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -54,13 +59,13 @@ inline float Sum(v8 v) {
 }
 
 struct Problem {
-  const float* q;         // [S, H, 128]
+  const float* q;         // [S, Tq, H, 128]
   const uint16_t* k;      // layer's slab [blocks, 32, 8, 128]
   const uint16_t* v;
-  const int32_t* pos;     // [S]
+  const int32_t* pos;     // [S, Tq]
   const int32_t* tables;  // [S, B]
-  float* out;             // [S, H, 128]
-  int64_t heads, group, blocks, table_width;
+  float* out;             // [S, Tq, H, 128]
+  int64_t queries, heads, group, blocks, table_width;
   float scale;
 
   // Sequence s's K (or V) row at position p, KV head g.
@@ -70,89 +75,159 @@ struct Problem {
     return slab + ((block * kBlock + p % kBlock) * kKvHeads + g) * kHeadDim;
   }
 
-  // Sequence s, KV head g: its `group` query heads.
-  void Unit(int64_t s, int64_t g, std::vector<float>& scores) const {
-    const int64_t first = g * group;
-    float* o = out + (s * heads + first) * kHeadDim;
-    const int64_t n = std::min<int64_t>(pos[s], table_width * kBlock - 1) + 1;
-    if (n <= 0) {
-      std::fill(o, o + group * kHeadDim, 0.0f);
-      return;
+  // Positions [first, end) of KV head g's K or V rows, widened into rows [0, end - first) of
+  // `into` (kChunk rows of 128 floats).
+  void WidenRows(const uint16_t* slab, int64_t s, int64_t g, int64_t first, int64_t end,
+                 float* into) const {
+    for (int64_t p = first; p < end; ++p) {
+      const uint16_t* row = Row(slab, s, p, g);
+      for (int64_t j = 0; j < kVectors; ++j) Store(into + (p - first) * kHeadDim + 8 * j,
+                                                   Widen(row + 8 * j));
     }
-    scores.resize(group * n);
-    const float* qs = q + (s * heads + first) * kHeadDim;
-    for (int64_t p = 0; p < n; ++p) {
-      const uint16_t* row = Row(k, s, p, g);
-      v8 key[kVectors];
-      for (int64_t j = 0; j < kVectors; ++j) key[j] = Widen(row + 8 * j);
-      for (int64_t h = 0; h < group; ++h) {
-        const float* qh = qs + h * kHeadDim;
-        v8 even = v8{}, odd = v8{};
-        for (int64_t j = 0; j < kVectors; j += 2) {
-          even = Fma(Load(qh + 8 * j), key[j], even);
-          odd = Fma(Load(qh + 8 * j + 8), key[j + 1], odd);
+  }
+
+  // Sequence s, KV head g, queries [t0, t0 + tiles): their `group` query heads each. K and V
+  // are widened a chunk of positions at a time, once for all of them, and each query's vector
+  // (or accumulator) stays in registers across a chunk. Each query's own arithmetic is the
+  // same whatever the tile or chunk (its dots, softmax and sums in position order), so a
+  // decode round's query and a prefill chunk's at the same position give the same bits.
+  void Unit(int64_t s, int64_t g, int64_t t0, int64_t tiles, std::vector<float>& scores,
+            std::vector<v8>& acc, float* rows_buffer) const {
+    const int64_t rows = tiles * group, limit = table_width * kBlock;
+    int64_t reach[kQueryTile], longest = 0;  // positions each query sees
+    for (int64_t t = 0; t < tiles; ++t) {
+      reach[t] = std::min<int64_t>(pos[s * queries + t0 + t], limit - 1) + 1;
+      longest = std::max(longest, reach[t]);
+    }
+    scores.resize(rows * std::max<int64_t>(longest, 1));
+    acc.assign(rows * kVectors, v8{});
+    auto query = [&](int64_t t, int64_t h) {
+      return q + ((s * queries + t0 + t) * heads + g * group + h) * kHeadDim;
+    };
+    for (int64_t first = 0; first < longest; first += kChunk) {
+      const int64_t end = std::min(longest, first + kChunk);
+      WidenRows(k, s, g, first, end, rows_buffer);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t stop = std::min(end, reach[t]);
+        for (int64_t h = 0; h < group && first < stop; ++h) {
+          v8 qv[kVectors];
+          for (int64_t j = 0; j < kVectors; ++j) qv[j] = Load(query(t, h) + 8 * j);
+          float* out_scores = scores.data() + (t * group + h) * longest;
+          for (int64_t p = first; p < stop; ++p) {
+            const float* key = rows_buffer + (p - first) * kHeadDim;
+            v8 even = v8{}, odd = v8{};
+            for (int64_t j = 0; j < kVectors; j += 2) {
+              even = Fma(qv[j], Load(key + 8 * j), even);
+              odd = Fma(qv[j + 1], Load(key + 8 * j + 8), odd);
+            }
+            out_scores[p] = Sum(even + odd) * scale;
+          }
         }
-        scores[h * n + p] = Sum(even + odd) * scale;
       }
     }
-    for (int64_t h = 0; h < group; ++h) {  // softmax over the positions, in place
-      float* sh = scores.data() + h * n;
-      const float top = *std::max_element(sh, sh + n);
-      float total = 0.0f;
-      for (int64_t p = 0; p < n; ++p) {
-        sh[p] = std::exp(sh[p] - top);
-        total += sh[p];
+    for (int64_t t = 0; t < tiles; ++t) {  // softmax over each query's positions, in place
+      for (int64_t h = 0; h < group && reach[t] > 0; ++h) {
+        float* sh = scores.data() + (t * group + h) * longest;
+        const int64_t n = reach[t];
+        const float top = *std::max_element(sh, sh + n);
+        float total = 0.0f;
+        for (int64_t p = 0; p < n; ++p) {
+          sh[p] = std::exp(sh[p] - top);
+          total += sh[p];
+        }
+        for (int64_t p = 0; p < n; ++p) sh[p] /= total;
       }
-      for (int64_t p = 0; p < n; ++p) sh[p] /= total;
     }
-    std::vector<v8> acc(group * kVectors, v8{});
-    for (int64_t p = 0; p < n; ++p) {
-      const uint16_t* row = Row(v, s, p, g);
-      v8 value[kVectors];
-      for (int64_t j = 0; j < kVectors; ++j) value[j] = Widen(row + 8 * j);
-      for (int64_t h = 0; h < group; ++h) {
-        const v8 w = Broadcast(scores[h * n + p]);
+    for (int64_t first = 0; first < longest; first += kChunk) {
+      const int64_t end = std::min(longest, first + kChunk);
+      WidenRows(v, s, g, first, end, rows_buffer);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t stop = std::min(end, reach[t]);
+        for (int64_t h = 0; h < group && first < stop; ++h) {
+          v8* a = acc.data() + (t * group + h) * kVectors;
+          v8 sum[kVectors];
+          for (int64_t j = 0; j < kVectors; ++j) sum[j] = a[j];
+          const float* weights = scores.data() + (t * group + h) * longest;
+          for (int64_t p = first; p < stop; ++p) {
+            const v8 w = Broadcast(weights[p]);
+            const float* value = rows_buffer + (p - first) * kHeadDim;
+            for (int64_t j = 0; j < kVectors; ++j) sum[j] = Fma(w, Load(value + 8 * j), sum[j]);
+          }
+          for (int64_t j = 0; j < kVectors; ++j) a[j] = sum[j];
+        }
+      }
+    }
+    for (int64_t t = 0; t < tiles; ++t) {  // a padding query (no positions) gets zeros
+      float* o = out + ((s * queries + t0 + t) * heads + g * group) * kHeadDim;
+      for (int64_t h = 0; h < group; ++h)
         for (int64_t j = 0; j < kVectors; ++j)
-          acc[h * kVectors + j] = Fma(w, value[j], acc[h * kVectors + j]);
-      }
+          Store(o + h * kHeadDim + 8 * j, acc[(t * group + h) * kVectors + j]);
     }
-    for (int64_t h = 0; h < group; ++h)
-      for (int64_t j = 0; j < kVectors; ++j) Store(o + h * kHeadDim + 8 * j, acc[h * kVectors + j]);
   }
 };
+
+// The shared checks and the parallel loop: q [S, Tq, H, 128] (`dims` its dimensions, with
+// `lead` the S and Tq ones), pos [S, Tq].
+ffi::Error Run(ffi::ThreadPool& pool, const char* name, ffi::Span<const int64_t> qd,
+               int64_t sequences, int64_t queries, ffi::Buffer<ffi::F32>& q,
+               ffi::Buffer<ffi::U16>& k, ffi::Buffer<ffi::U16>& v, ffi::Buffer<ffi::S32>& layer,
+               ffi::Buffer<ffi::S32>& pos, ffi::Buffer<ffi::S32>& tables,
+               ffi::ResultBuffer<ffi::F32>& out) {
+  const auto kd = k.dimensions();
+  const auto td = tables.dimensions();
+  auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
+  const int64_t heads = qd[qd.size() - 2];
+  if (qd.back() != kHeadDim || heads % kKvHeads || kd.size() != 5 || kd[1] < 1 ||
+      kd[2] != kBlock || kd[3] != kKvHeads || kd[4] != kHeadDim || !same(v.dimensions(), kd) ||
+      layer.element_count() != 1 ||
+      static_cast<int64_t>(pos.element_count()) != sequences * queries || td.size() != 2 ||
+      td[0] != sequences || td[1] < 1 || !same(out->dimensions(), qd)) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": expected q [S, (Tq,) H, 128] float32, k and v [L, blocks, 32, "
+        "8, 128] uint16, layer [1], pos [S(, Tq)], tables [S, B] int32, out as q");
+  }
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= kd[0]) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": layer out of range");
+  }
+  const int64_t layer_size = kd[1] * kBlock * kKvHeads * kHeadDim;
+  Problem problem{q.typed_data(), k.typed_data() + index * layer_size,
+                  v.typed_data() + index * layer_size, pos.typed_data(), tables.typed_data(),
+                  out->typed_data(), queries, heads, heads / kKvHeads, kd[1], td[1],
+                  static_cast<float>(1.0 / std::sqrt(static_cast<double>(kHeadDim)))};
+  const int64_t tiles = (queries + kQueryTile - 1) / kQueryTile;
+  kipp::ParallelFor(pool, sequences * kKvHeads * tiles, 1, [&problem, tiles, queries](int64_t u) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<v8> acc;
+    thread_local std::vector<float> rows(kChunk * kHeadDim);
+    const int64_t tile = u % tiles, rest = u / tiles;
+    const int64_t t0 = tile * kQueryTile;
+    problem.Unit(rest / kKvHeads, rest % kKvHeads, t0, std::min(kQueryTile, queries - t0),
+                 scores, acc, rows.data());
+  });
+  return ffi::Error::Success();
+}
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::U16> k, ffi::Buffer<ffi::U16> v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pos,
                            ffi::Buffer<ffi::S32> tables, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
-  const auto kd = k.dimensions();
-  const auto td = tables.dimensions();
-  auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
-  if (qd.size() != 3 || qd[2] != kHeadDim || qd[1] % kKvHeads || kd.size() != 5 ||
-      kd[1] < 1 || kd[2] != kBlock || kd[3] != kKvHeads || kd[4] != kHeadDim ||
-      !same(v.dimensions(), kd) || layer.element_count() != 1 ||
-      pos.element_count() != qd[0] || td.size() != 2 || td[0] != qd[0] || td[1] < 1 ||
-      !same(out->dimensions(), qd)) {
-    return ffi::Error::InvalidArgument(
-        "kipp_cpu_decode_attention: expected q [S, H, 128] float32, k and v [L, blocks, 32, "
-        "8, 128] uint16, layer [1], pos [S], tables [S, B] int32, out [S, H, 128]");
+  if (qd.size() != 3) {
+    return ffi::Error::InvalidArgument("kipp_cpu_decode_attention: expected q [S, H, 128]");
   }
-  const int64_t index = layer.typed_data()[0];
-  if (index < 0 || index >= kd[0]) {
-    return ffi::Error::InvalidArgument("kipp_cpu_decode_attention: layer out of range");
+  return Run(pool, "kipp_cpu_decode_attention", qd, qd[0], 1, q, k, v, layer, pos, tables, out);
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> k,
+                     ffi::Buffer<ffi::U16> v, ffi::Buffer<ffi::S32> layer,
+                     ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> tables,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 4) {
+    return ffi::Error::InvalidArgument("kipp_cpu_attention: expected q [S, Tq, H, 128]");
   }
-  const int64_t layer_size = kd[1] * kBlock * kKvHeads * kHeadDim;
-  Problem problem{q.typed_data(), k.typed_data() + index * layer_size,
-                  v.typed_data() + index * layer_size, pos.typed_data(), tables.typed_data(),
-                  out->typed_data(), qd[1], qd[1] / kKvHeads, kd[1], td[1],
-                  static_cast<float>(1.0 / std::sqrt(static_cast<double>(kHeadDim)))};
-  const int64_t sequences = qd[0];
-  kipp::ParallelFor(pool, sequences * kKvHeads, 1, [&problem](int64_t u) {
-    thread_local std::vector<float> scores;
-    problem.Unit(u / kKvHeads, u % kKvHeads, scores);
-  });
-  return ffi::Error::Success();
+  return Run(pool, "kipp_cpu_attention", qd, qd[0], qd[1], q, k, v, layer, pos, tables, out);
 }
 
 }  // namespace
@@ -165,5 +240,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::U16>>()  // v
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [S, Tq, H, 128]
+                                  .Arg<ffi::Buffer<ffi::U16>>()  // k
+                                  .Arg<ffi::Buffer<ffi::U16>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos [S, Tq]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out

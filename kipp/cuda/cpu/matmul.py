@@ -9,7 +9,7 @@ tied head's panels (`rows`). The kernel (matmul.cc, an XLA FFI handler) is compi
 with the system's C++ compiler against the JAX headers, for the instruction set this CPU
 reports at load (`cpu_isa()`: AMX, AVX-512 + VNNI, AVX2 + FMA or portable on x86; $KIPP_CPU_ISA
 picks a narrower one), into $KIPP_HOME/build keyed by source, compiler, JAX and instruction
-set, in one library with Kipp's CPU decode attention (attention.cc) and stored-format matmul
+set, in one library with Kipp's CPU attention (attention.cc) and stored-format matmul
 (stored_matmul.cc). Each output is one FMA
 chain over k: a row's result is bitwise the same alone or batched. `available()` says why when
 it cannot be built (the backend then keeps XLA's dot); KIPP_JAX_CPU_MATMUL=0 turns it off.
@@ -43,6 +43,7 @@ SOURCES = (HERE / "matmul.cc", HERE / "attention.cc", HERE / "stored_matmul.cc")
 HEADERS = (HERE / "kernels.h", HERE / "stored_avx2.h", HERE / "stored_amx.h")
 # FFI target -> the handler symbol the library exports
 TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention",
+           "kipp_cpu_attention": "KippCpuAttention",
            "kipp_cpu_stored_matmul_bf16": "KippCpuStoredMatmulBf16",
            "kipp_cpu_stored_matmul_q8_0": "KippCpuStoredMatmulQ8_0",
            "kipp_cpu_stored_matmul_scale4_gs32": "KippCpuStoredMatmulScale4",
