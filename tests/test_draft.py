@@ -282,7 +282,7 @@ def test_the_verify_cost_is_measured_on_the_target(models):
     target, draft = models(TINY), models(BASE)
     fast = dict(verify_costs(target))
     real_eval = target.backend.eval
-    delay = 0.06  # per row: the sleep, not a loaded machine's noise, sets the costs
+    delay = 0.02  # per row: the sleep, not a loaded machine's noise, sets the costs
 
     def per_row_eval(items):
         time.sleep(delay * sum(item.logits_rows for item in items))
@@ -296,7 +296,7 @@ def test_the_verify_cost_is_measured_on_the_target(models):
     finally:
         del target.backend.eval
     assert sorted(fast) == sorted(slow) == sorted(VERIFY_ROWS)
-    assert all(1.0 <= cost < 8.0 for cost in fast.values()), fast
+    assert all(1.0 <= cost < 2 * rows for rows, cost in fast.items()), fast
     # the slowdown over the one-token eval grows with the rows: (n - 1) * delay of extra sleep
     low, high = min(VERIFY_ROWS), max(VERIFY_ROWS)
     added = (slow[high] - slow[low]) - (fast[high] - fast[low])

@@ -46,9 +46,11 @@ def check_draft_model(target, draft) -> None:
                         f"target on {target.backend.describe()}: load both on one backend")
 
 
-# the verifies of one stream's drafts (the gate's sizes 3, 7 and 15, plus the pending token);
-# a batch's larger verifies extend the 8-to-16 segment
-VERIFY_ROWS = (4, 8, 16)
+# the verifies of one stream's drafts (the gate's sizes 3, 7 and 15, plus the pending token) and
+# of a few streams' together: where rows come nearly free up to a tile (AMX's 16 x rows), the
+# next tile's cost is a step no line through the smaller counts predicts; larger verifies extend
+# the 32-to-64 segment
+VERIFY_ROWS = (4, 8, 16, 32, 64)
 
 
 def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
@@ -93,13 +95,16 @@ def verify_costs(target, rows: tuple[int, ...] = VERIFY_ROWS,
 
 def _eval_seconds(model, rows: int, repeats: int) -> float:
     """The fastest of `repeats` evals of `rows` tokens (every row's logits) on a scratch
-    session, after one that may compile; random ids, nothing published."""
+    session, after one that may compile; random ids, nothing published. Every eval starts at
+    position 0 (the session truncated between them), so all run the first one's compiled
+    program: a deeper position could fall in another block-table bucket and time a compile."""
     ids = [int(t) for t in np.random.default_rng(0).integers(1, 100_000, rows * (repeats + 1))]
-    session = model.session(len(ids))
+    session = model.session(rows)
     try:
         session.eval(ids[:rows], logits_rows=rows)
         seconds = []
         for i in range(1, repeats + 1):
+            session.truncate(0)
             start = time.perf_counter()
             session.eval(ids[i * rows:(i + 1) * rows], logits_rows=rows)
             seconds.append(time.perf_counter() - start)
