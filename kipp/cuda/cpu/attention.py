@@ -37,15 +37,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     padding row: zeros) over positions 0..query_pos of its sequence, read through
     block_tables [S, B] from the slab's K and V, uint16 BF16 bits [blocks, 32, 8, 128] (or
     stacked [layers, blocks, 32, 8, 128], read at `layer`) -> [S, H, 128] float32."""
-    ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
-    if not ok:
-        raise RuntimeError(f"Kipp's CPU attention is unavailable: {why}")
-    if layer is None:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-    i32 = jnp.int32
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1),
-        query_pos.astype(i32), block_tables.astype(i32))
+    return _call(TARGET, q, k_cache, v_cache, query_pos, block_tables, layer)
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, query_pos: jax.Array,
@@ -54,12 +46,16 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, query_pos: j
     rows): q [S, Tq, H, 128] float32 at positions query_pos [S, Tq] (-1: padding, zeros), each
     over positions 0..its own of its sequence, as decode_attention reads them -> [S, Tq, H,
     128] float32. A query's result is bitwise decode_attention's for it at that position."""
-    ok, why = cpu_matmul.library()
+    return _call(PREFILL_TARGET, q, k_cache, v_cache, query_pos, block_tables, layer)
+
+
+def _call(target, q, k_cache, v_cache, query_pos, block_tables, layer):
+    ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
     if not ok:
         raise RuntimeError(f"Kipp's CPU attention is unavailable: {why}")
     if layer is None:
         k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
     i32 = jnp.int32
-    return jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, i32).reshape(1),
         query_pos.astype(i32), block_tables.astype(i32))
