@@ -40,6 +40,8 @@ constexpr int64_t kBlock = 32;  // positions per KV block
 constexpr int64_t kKvHeads = 8;
 constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a prefill chunk)
 constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
+constexpr int64_t kAhead = 16;       // rows prefetched ahead of the one being widened
+constexpr int64_t kRowBytes = kHeadDim * sizeof(uint16_t);
 
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -77,9 +79,17 @@ struct Problem {
 
   // Positions [first, end) of KV head g's K or V rows, widened into rows [0, end - first) of
   // `into` (kChunk rows of 128 floats).
+  // A KV head's rows sit 2 KB apart (all 8 heads of a position between them), a stride the
+  // hardware prefetcher does not follow across pages: each row was a cache miss waited on in
+  // turn, so the rows kAhead positions on are asked for while this one is widened.
   void WidenRows(const uint16_t* slab, int64_t s, int64_t g, int64_t first, int64_t end,
                  float* into) const {
+    const int64_t limit = table_width * kBlock;
     for (int64_t p = first; p < end; ++p) {
+      if (p + kAhead < limit) {
+        const char* ahead = reinterpret_cast<const char*>(Row(slab, s, p + kAhead, g));
+        for (int64_t line = 0; line < kRowBytes; line += 64) __builtin_prefetch(ahead + line);
+      }
       const uint16_t* row = Row(slab, s, p, g);
       for (int64_t j = 0; j < kVectors; ++j) Store(into + (p - first) * kHeadDim + 8 * j,
                                                    Widen(row + 8 * j));
