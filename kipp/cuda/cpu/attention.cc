@@ -40,7 +40,7 @@ constexpr int64_t kBlock = 32;  // positions per KV block
 constexpr int64_t kKvHeads = 8;
 constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a prefill chunk)
 constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
-constexpr int64_t kAhead = 16;       // rows prefetched ahead of the one being widened
+constexpr int64_t kAhead = 16;      // rows prefetched ahead of the one being widened
 constexpr int64_t kRowBytes = kHeadDim * sizeof(uint16_t);
 
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
