@@ -165,3 +165,21 @@ def test_a_narrower_build_is_chosen_by_name(monkeypatch):
         monkeypatch.setenv(cpu_matmul.ISA_ENV, "amx")
         with pytest.raises(RuntimeError, match=f"this CPU runs at most {widest.value}"):
             cpu_matmul.cpu_isa()
+
+
+def test_a_failed_amx_build_falls_back_to_avx512(monkeypatch, caplog):
+    """A compiler that rejects the AMX flags leaves the AVX-512 build, with a warning, not the
+    backend without Kipp's kernels."""
+    if cpu_matmul.widest_isa() is not cpu_matmul.Isa.AMX:
+        pytest.skip("a CPU with AMX")
+    real = cpu_matmul.build
+
+    def build(directory=None, extra_flags=(), isa=None):
+        if isa is cpu_matmul.Isa.AMX:
+            raise RuntimeError("c++: error: unrecognized command-line option '-mamx-tile'")
+        return real(directory, extra_flags, isa)
+
+    monkeypatch.setattr(cpu_matmul, "build", build)
+    chosen, path = cpu_matmul._chosen_build()
+    assert chosen is cpu_matmul.Isa.AVX512_VNNI and path.is_file()
+    assert "the AMX build failed (c++: error: unrecognized" in caplog.text

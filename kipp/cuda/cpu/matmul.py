@@ -136,8 +136,7 @@ def library(switch_env: str | None = None) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[bool, str]:
     try:
-        chosen = cpu_isa()
-        path = build(isa=chosen)
+        chosen, path = _chosen_build()
         library = ctypes.CDLL(str(path))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
@@ -149,6 +148,20 @@ def _load() -> tuple[bool, str]:
 
 
 _LIBRARIES: list = []
+
+
+def _chosen_build() -> tuple[Isa, Path]:
+    """(build, library path) this process loads: cpu_isa()'s, or the AVX-512 set's where the
+    AMX build fails to compile (a compiler too old for its flags)."""
+    chosen = cpu_isa()
+    try:
+        return chosen, build(isa=chosen)
+    except RuntimeError as e:
+        if chosen is not Isa.AMX:
+            raise
+        log.warning("Kipp's CPU kernels: the AMX build failed (%s); using avx512_vnni",
+                    str(e).splitlines()[0][:200])
+        return Isa.AVX512_VNNI, build(isa=Isa.AVX512_VNNI)
 
 
 def build(directory: Path | None = None, extra_flags: tuple[str, ...] = (),
