@@ -30,6 +30,7 @@ unknown name); a new family may add its checks there.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -82,19 +83,25 @@ def get(name: str) -> Fault:
 
 class Patcher:
     """A minimal MonkeyPatch for planting faults outside pytest: `with Patcher() as p:
-    fault.plant(p)` undoes every setattr on exit."""
+    fault.plant(p)` undoes every setattr and setenv on exit."""
 
     def __init__(self):
-        self._undo: list[tuple[object, str, object]] = []
+        self._undo: list = []  # callables, last first
 
     def setattr(self, target, name: str, value) -> None:
-        self._undo.append((target, name, getattr(target, name)))
+        old = getattr(target, name)
+        self._undo.append(lambda: setattr(target, name, old))
         setattr(target, name, value)
+
+    def setenv(self, name: str, value: str) -> None:
+        old = os.environ.get(name)
+        self._undo.append(lambda: os.environ.__setitem__(name, old) if old is not None
+                          else os.environ.pop(name, None))
+        os.environ[name] = value
 
     def undo(self) -> None:
         while self._undo:
-            target, name, value = self._undo.pop()
-            setattr(target, name, value)
+            self._undo.pop()()
 
     def __enter__(self) -> "Patcher":
         return self

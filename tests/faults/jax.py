@@ -35,9 +35,12 @@ def _plant_rms_norm(patch):
 
 
 def _plant_scale(patch):
+    from kipp.cuda.cpu import attention as cpu_attention
     from kipp.cuda.pallas import prefill_attention
 
     _fresh_programs(patch)
+    # on one CPU device Kipp's CPU attention runs every BF16-KV round instead of the twin
+    patch.setenv(cpu_attention.ENV, "0")
     original = prefill_attention.paged_attention_reference
     patch.setattr(prefill_attention, "paged_attention_reference",
                   lambda q, *rest: original(q * 1.1, *rest))
@@ -49,6 +52,14 @@ def _plant_cpu_attention_scale(patch):
     _fresh_programs(patch)
     original = cpu_attention.decode_attention
     patch.setattr(cpu_attention, "decode_attention", lambda q, *rest: original(q * 1.1, *rest))
+
+
+def _plant_cpu_prefill_attention_scale(patch):
+    from kipp.cuda.cpu import attention as cpu_attention
+
+    _fresh_programs(patch)
+    original = cpu_attention.attention
+    patch.setattr(cpu_attention, "attention", lambda q, *rest: original(q * 1.1, *rest))
 
 
 def _plant_theta(patch):
@@ -82,6 +93,10 @@ for fault in (
           "kipp.cuda.cpu.attention.decode_attention",
           "decode scores scaled by 1.1 / sqrt(128) in Kipp's CPU attention",
           _plant_cpu_attention_scale, ("gate: jax vs reference",)),
+    Fault("jax-cpu-prefill-attention-scale-1.1", "forward pass",
+          "kipp.cuda.cpu.attention.attention",
+          "prefill scores scaled by 1.1 / sqrt(128) in Kipp's CPU attention",
+          _plant_cpu_prefill_attention_scale, ("gate: jax vs reference",)),
     Fault("jax-rope-theta-1.05", "forward pass", "kipp.cuda.backend.JaxBackend._load",
           "RoPE tables built with a base theta 5% too large", _plant_theta, _GATE),
 ):
