@@ -85,7 +85,8 @@ def verify_costs(target, rows: tuple[int, ...] = VERIFY_ROWS,
     constant: whether a few rows cost about one row's depends on the machine (a GPU reads the
     weights once for all; a CPU pays each row's FLOPs) and on the compiled round each count
     falls in. A count never costs less than a smaller one: a dip is timing noise."""
-    one = _eval_seconds(target, 1, repeats)
+    # every cost divides by this one: it is cheap, so its fastest of more repeats steadies them
+    one = _eval_seconds(target, 1, 2 * repeats + 1)
     costs, floor = [], 1.0
     for n in sorted(rows):
         floor = max(floor, _eval_seconds(target, n, repeats) / one)
