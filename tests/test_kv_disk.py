@@ -128,6 +128,51 @@ def test_restart_restores_the_prefix_bitwise(tiny, tmp_path):
     assert m.kv_disk.stats()["hits"] == before
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_a_restore_in_several_runs_is_bitwise_and_a_failed_import_leaves_the_pool(
+        tiny, tmp_path, monkeypatch, ahead):
+    """The restore reads the next run of blocks while the backend imports this one: with runs
+    of 1 and 3 blocks the restored prefix is still bitwise, and an import failing on the second
+    run frees every block it took (the pool's refcounts check) with no read left running."""
+    from kipp.engine import kv_disk
+
+    monkeypatch.setattr(kv_disk, "READ_AHEAD", ahead)
+    saved(tiny, tmp_path)
+    m = model(tiny, tmp_path)
+    real, calls = m.backend.write_blocks, []
+
+    def failing_second(blocks, payloads):
+        calls.append(len(blocks))
+        if len(calls) == 2:
+            raise OSError("planted import failure")
+        return real(blocks, payloads)
+
+    tier, reads = m.kv_disk.tier, []
+    real_read = tier.read_run
+
+    def slow_read(*args):
+        reads.append("started")
+        time.sleep(0.1)
+        out = real_read(*args)
+        reads.append("done")
+        return out
+
+    m.backend.write_blocks, tier.read_run = failing_second, slow_read
+    free = m.pool.num_available
+    with pytest.raises(OSError, match="planted"), m.session() as s:
+        s.match_prefix(PROMPT)
+    at_raise = list(reads)
+    time.sleep(0.3)  # a read left behind would start or finish in this time
+    assert reads == at_raise and reads.count("started") == reads.count("done") >= 2, reads
+    del tier.read_run
+    m.pool.check()
+    assert m.pool.num_available == free and m.pool.stats()["published"] == 0
+    del m.backend.write_blocks
+    first, second, n = run(m, restored=RESTORED)
+    assert same((first, second), uncached(tiny, n))
+    assert calls[0] == ahead
+
+
 def test_generate_counts_restored_tokens_as_cached(tiny, tmp_path):
     saved(tiny, tmp_path)
     m = model(tiny, tmp_path)

@@ -12,6 +12,8 @@ its tail come from disk.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 from typing import Sequence
 
@@ -20,6 +22,11 @@ from kipp.engine.blocks import block_hash
 from kipp.engine.kv_files import READ_AHEAD, DiskTier
 
 log = logging.getLogger("kipp.kv_disk")
+
+
+@functools.cache
+def _ahead() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kipp-kv-ahead")
 
 
 class KVDisk:
@@ -72,22 +79,32 @@ class KVDisk:
         if stop <= len(table):
             return table
         new: list[int] = []
+
+        def read(at: int):
+            return self.tier.read_run(tokens, at, min(stop, at + READ_AHEAD))
+
+        pending = _ahead().submit(read, len(table))
         try:
-            # READ_AHEAD blocks at a time: the backend's import of one run (asynchronous on JAX)
-            # overlaps the reading and checking of the next
+            # READ_AHEAD blocks at a time: the next run is read and checked on another thread
+            # while the backend imports this one (a single-threaded copy on a CPU backend)
             for at in range(len(table), stop, READ_AHEAD):
-                payloads = self.tier.read_run(tokens, at, min(stop, at + READ_AHEAD))
+                payloads, pending = pending.result(), None
+                whole = len(payloads) == min(stop - at, READ_AHEAD)
+                if whole and at + READ_AHEAD < stop:
+                    pending = _ahead().submit(read, at + READ_AHEAD)
                 if payloads:
                     blocks = self.pool.allocate(len(payloads))
                     new += blocks
                     self.backend.write_blocks(blocks, payloads)
-                if len(payloads) < min(stop - at, READ_AHEAD):
+                if not whole:
                     break
             if not new:
                 return table
             full = list(table) + new
             self.pool.publish(tokens[:len(full) * KV_BLOCK], full)
         except BaseException:
+            if pending is not None and not pending.cancel():
+                concurrent.futures.wait([pending])  # no read left running behind the caller
             self.pool.release(new)
             raise
         self.restored_tokens += len(new) * KV_BLOCK
