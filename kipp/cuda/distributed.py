@@ -16,7 +16,9 @@ collective long and a dead peer is seen within seconds.
 
 A peer that dies or never joins: every survivor writes one line naming the lost process and
 its address (published in the coordinator's key-value store at join) and exits with
-EXIT_GROUP_BROKEN, rather than hang or wait for the runtime's heartbeat abort.
+EXIT_GROUP_BROKEN, rather than hang or wait for the runtime's heartbeat abort. JAX's
+coordination service runs in a child of process 0 (kipp.cuda.coordinator): hosted in process 0
+itself, it would die with it and the runtime would abort every survivor first.
 """
 
 from __future__ import annotations
@@ -166,11 +168,12 @@ def join(group: Group, *, heartbeat_s: int = HEARTBEAT_S) -> Link:
 
     threading.Thread(target=watchdog, daemon=True, name="kipp-distributed-join").start()
     try:
-        jax.distributed.initialize(
-            coordinator_address=group.coordinator, num_processes=group.processes,
-            process_id=group.process_id, coordinator_bind_address=bind,
-            initialization_timeout=timeout_s + JOIN_MARGIN_S,
-            heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=SHUTDOWN_S)
+        with _service_in_a_child():
+            jax.distributed.initialize(
+                coordinator_address=group.coordinator, num_processes=group.processes,
+                process_id=group.process_id, coordinator_bind_address=bind,
+                initialization_timeout=timeout_s + JOIN_MARGIN_S,
+                heartbeat_timeout_seconds=heartbeat_s, shutdown_timeout_seconds=SHUTDOWN_S)
     except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, UNAVAILABLE, ...
         _exit(f"{failed} ({_first_line(e)})")
     joined.set()
@@ -337,6 +340,33 @@ def follow(backend) -> None:
             program = backend._program(bucket, arrays)
             _, backend.kv = link._guard("running a step", lambda: backend._run(program, arrays))
             link._last, link._running = time.monotonic(), False
+
+
+@contextlib.contextmanager
+def _service_in_a_child():
+    """While jax.distributed.initialize runs, the coordination service it starts (process 0)
+    is hosted by kipp.cuda.coordinator in a child process, so it outlives a killed process 0
+    long enough for the survivors to name it. A JAX whose layout differs keeps its own."""
+    from jax._src import distributed
+
+    from kipp.cuda import coordinator
+
+    runtime = getattr(distributed, "_jax", None)
+    if not hasattr(runtime, "get_distributed_runtime_service"):
+        yield
+        return
+
+    class Runtime:
+        get_distributed_runtime_service = staticmethod(coordinator.start)
+
+        def __getattr__(self, name):
+            return getattr(runtime, name)
+
+    distributed._jax = Runtime()
+    try:
+        yield
+    finally:
+        distributed._jax = runtime
 
 
 def _client():
