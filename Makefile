@@ -66,7 +66,7 @@ $(VENV_NEXT)/.jax-tests: pyproject.toml
 	touch $@
 
 test-jax-next: $(VENV_NEXT)/.jax-tests
-	$(VENV_NEXT)/bin/pytest $(JAX_TESTS)
+	$(VENV_NEXT)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(JAX_TESTS)
 
 # The agent CLIs that tests/agent_clients.py drives against a loopback `kipp serve`: npm
 # packages at pinned versions under $(AGENTS) (git-ignored, no package.json), once per version
