@@ -9,10 +9,13 @@ API, so `kipp run` and `model.generate` behave alike; `--help` shows them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from kipp.errors import KippError, missing_extra, require
@@ -250,8 +253,11 @@ def _run(args) -> None:
 
 def _stream(generation) -> None:
     try:
-        for piece in generation:
-            print(piece, end="", flush=True)
+        with _remembered_interrupt() as interrupted:
+            for piece in generation:
+                if interrupted:
+                    raise KeyboardInterrupt
+                print(piece, end="", flush=True)
     finally:
         print(flush=True)  # end the text's line, also when interrupted
     s = generation.stats
@@ -262,6 +268,26 @@ def _stream(generation) -> None:
         print(f"[spec: {s.spec.accepted}/{s.spec.drafted} draft tokens accepted "
               f"({s.spec.acceptance_rate:.0%}); {s.spec.evals} decode evals for "
               f"{s.decode_tokens} tokens]", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _remembered_interrupt():
+    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: one raised inside a
+    finalizer (where Python prints it and goes on) still ends the loop at its next piece."""
+    hits: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield hits
+        return
+
+    def interrupt(signum, frame):
+        hits.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield hits
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _chat(args) -> None:
