@@ -10,11 +10,12 @@
 // for that set (stored_avx2.h: the same operations in 8-float halves), plain C++ otherwise;
 // in the build for CPUs with AMX tiles, BF16 weights meet x on the tile unit (stored_amx.h,
 // its own numerics, described there).
-// A decode round (up to 8 rows of x) decodes each block once into registers and multiplies
-// every row against it; a longer round's unit is as many W rows as fill an L2-sized float32
-// scratch (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by
-// 4 W rows, each x vector held in a register across the tile's W rows (loads, not FMAs,
-// bounded the 4 x 4 tile). Either way each stored byte is read once.
+// A decode round (up to 8 rows of x) decodes each block into registers and multiplies the rows
+// of a pass (4 rows, or all 8 for the 4-bit formats) against it, W tiles of up to 6 rows; a
+// longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
+// decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows. Either way
+// each x vector is held in a register across its tile's W rows (loads, not FMAs, bounded the
+// narrower tiles) and each stored byte is read from memory once.
 //
 // Numerics: each output y[m][n] is a 16-lane fused multiply-add chain over k (lane j sums
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations
@@ -215,8 +216,13 @@ void DecodeRow(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, i
   }
 }
 
-// R rows of x (a decode round) against W rows n0 .. n0 + C - 1 decoded block by
-// block into registers: the same FMA chains as Tile over a decoded scratch, without the scratch.
+// Whether a block's two halves come out of one decode (the 4-bit table), so both are kept.
+template <Format F>
+constexpr bool kSharedHalves = F == Format::kScale4 || F == Format::kAffine4;
+
+// R rows of x (a decode round) against W rows n0 .. n0 + C - 1 decoded block by block into
+// registers, half a block (16 weights) at a time: the same FMA chains as Tile over a decoded
+// scratch, without the scratch. Each x vector is held in a register across the tile's C W rows.
 template <Format F, int R, int C>
 void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, const uint16_t* m,
                int64_t n0, float* y, int64_t ldy) {
@@ -225,34 +231,62 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    v16 lo[C], hi[C];
-    for (int c = 0; c < C; ++c) DecodeBlock<F>(w, d, m, n0 + c, b, blocks, lo + c, hi + c);
-    for (int r = 0; r < R; ++r) {
-      const v16 xl = Load16(x + r * k + b * kBlock), xh = Load16(x + r * k + b * kBlock + 16);
-      for (int c = 0; c < C; ++c) acc[r][c] = Fma16(xh, hi[c], Fma16(xl, lo[c], acc[r][c]));
+    v16 half[2][C];
+    for (int h = 0; h < 2; ++h) {
+      // BF16 and q8_0 decode each half on its own; a 4-bit block's halves share its table
+      if (h == 0 || !kSharedHalves<F>) {
+        for (int c = 0; c < C; ++c) {
+          v16 lo, hi;
+          DecodeBlock<F>(w, d, m, n0 + c, b, blocks, &lo, &hi);
+          half[h][c] = h ? hi : lo;
+          if (kSharedHalves<F>) half[1][c] = hi;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        v16 xv = Load16(x + r * k + b * kBlock + kLanes * h);
+        Pin(xv);
+        for (int c = 0; c < C; ++c) acc[r][c] = Fma16(xv, half[h][c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[r * ldy + n0 + c] = Sum16(acc[r][c]);
 }
 
-// Tiles of a decode round: up to 4 rows x 4 W rows, 5 to 8 rows x 2 W rows (16 accumulators).
+// A decode round (up to kFusedRows rows) runs in passes of up to PassRows x rows over each tile
+// of W rows, the tile's stored bytes staying in L1 from one pass to the next: 4 rows where a
+// second decode is cheap (their x fits in L1 beside the tile), all 8 for the 4-bit tables.
 constexpr int kFusedRows = 8;
+template <Format F>
+constexpr int PassRows() { return kSharedHalves<F> ? 8 : 4; }
+// W rows a tile of R x rows takes: at most 24 accumulators; a 4-bit tile, its two decoded
+// halves a W row beside them, at most 4 W rows and 30 registers (wider ones spill).
+constexpr int kFusedCols = 6;
+template <Format F>
+constexpr int FusedWidth(int rows) {
+  return kSharedHalves<F> ? std::min(4, 30 / (rows + 2)) : std::min(kFusedCols, 24 / rows);
+}
 // A decode round's tile as the tables (this one and stored_avx2.h's) hold it.
 using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
                          int64_t, float*, int64_t);
+// The tiles a pass uses, R x rows by C W rows (nullptr for shapes no pass makes).
+template <Format F, int R, int C>
+constexpr FusedFn FusedPick() {
+  if constexpr (R <= PassRows<F>() && C <= FusedWidth<F>(R)) return FusedTile<F, R, C>;
+  return nullptr;
+}
+template <Format F, int R>
+struct FusedRow {
+  static constexpr FusedFn kTiles[kFusedCols] = {
+      FusedPick<F, R, 1>(), FusedPick<F, R, 2>(), FusedPick<F, R, 3>(),
+      FusedPick<F, R, 4>(), FusedPick<F, R, 5>(), FusedPick<F, R, 6>()};
+};
 template <Format F>
 struct Fused {
-  static constexpr int Width(int rows) { return rows <= 4 ? 4 : 2; }
-  static constexpr FusedFn kTiles[kFusedRows][kTile] = {
-      {FusedTile<F, 1, 1>, FusedTile<F, 1, 2>, FusedTile<F, 1, 3>, FusedTile<F, 1, 4>},
-      {FusedTile<F, 2, 1>, FusedTile<F, 2, 2>, FusedTile<F, 2, 3>, FusedTile<F, 2, 4>},
-      {FusedTile<F, 3, 1>, FusedTile<F, 3, 2>, FusedTile<F, 3, 3>, FusedTile<F, 3, 4>},
-      {FusedTile<F, 4, 1>, FusedTile<F, 4, 2>, FusedTile<F, 4, 3>, FusedTile<F, 4, 4>},
-      {FusedTile<F, 5, 1>, FusedTile<F, 5, 2>, nullptr, nullptr},
-      {FusedTile<F, 6, 1>, FusedTile<F, 6, 2>, nullptr, nullptr},
-      {FusedTile<F, 7, 1>, FusedTile<F, 7, 2>, nullptr, nullptr},
-      {FusedTile<F, 8, 1>, FusedTile<F, 8, 2>, nullptr, nullptr}};
+  static constexpr const FusedFn* kTiles[kFusedRows] = {
+      FusedRow<F, 1>::kTiles, FusedRow<F, 2>::kTiles, FusedRow<F, 3>::kTiles,
+      FusedRow<F, 4>::kTiles, FusedRow<F, 5>::kTiles, FusedRow<F, 6>::kTiles,
+      FusedRow<F, 7>::kTiles, FusedRow<F, 8>::kTiles};
 };
 
 // R rows of x against C decoded W rows (scratch rows, stride k): y[r][c].
@@ -316,11 +350,14 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
           int64_t rows, int64_t k, int64_t n, int64_t group, int64_t u) {
   const int64_t first = u * group;
   const int64_t count = std::min(group, n - first);
-  if (rows <= kFusedRows) {  // a decode round: each block decoded once, into registers
-    const int64_t width = Fused<F>::Width(rows);
+  if (rows <= kFusedRows) {  // a decode round: each block decoded into registers
+    const int64_t pass = PassRows<F>(), width = FusedWidth<F>(std::min(rows, pass));
     for (int64_t c = 0; c < count; c += width) {
       const int64_t tc = std::min(width, count - c);
-      Fused<F>::kTiles[rows - 1][tc - 1](x, k, w, d, m, first + c, y, n);
+      for (int64_t r = 0; r < rows; r += pass) {
+        const int64_t tr = std::min(pass, rows - r);
+        Fused<F>::kTiles[tr - 1][tc - 1](x + r * k, k, w, d, m, first + c, y + r * n, n);
+      }
     }
     return;
   }
