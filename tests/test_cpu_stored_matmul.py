@@ -424,3 +424,20 @@ def test_the_matvec_benchmark_reports_every_scheme_and_dot():
     want = [(s, "f32") for s in SCHEMES] + [(s, "int8") for s in stored_matmul.INT8_FORMATS]
     assert sorted(tuple(line.split()[:2]) for line in lines) == sorted(want)
     assert all(float(line.split()[-1]) > 0 for line in lines)
+
+
+@needs_kernel
+def test_the_step_matmuls_benchmark_reports_every_scheme_and_row_count():
+    """`python -m kipp.cuda.bench --step-matmuls`, at the tiny shape: one line per scheme,
+    each row count a positive time within its own range."""
+    import re
+
+    from kipp.cuda import bench
+
+    lines = bench.step_matmuls("kipp-synthetic/qwen3-tiny", m_values=(1, 3),
+                               repeats=2).splitlines()[1:]
+    assert [line.split()[0] for line in lines] == list(SCHEMES)
+    for line in lines:
+        cells = re.findall(r"M=(\d+): +([\d.]+) \[([\d.]+)-([\d.]+)\]", line)
+        assert [int(m) for m, *_ in cells] == [1, 3], line
+        assert all(0 < float(lo) <= float(mid) <= float(hi) for _, mid, lo, hi in cells), line

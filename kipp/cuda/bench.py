@@ -3,6 +3,7 @@
     python -m kipp.cuda.bench ARTIFACT [--prompt 128] [--decode 32] [--batch 1,8] [--reference]
     python -m kipp.cuda.bench --layouts        # the CPU weight layouts (kipp.cuda.plan)
     python -m kipp.cuda.bench --matvec         # the stored CPU matmul's one-row GB/s
+    python -m kipp.cuda.bench --step-matmuls   # its ms over one 0.6B step's projections, 1 and 8 rows
     python -m kipp.cuda.bench ARTIFACT --compare f32,panels --batch 1,8   # layouts side by side
 
 Reports per configuration: compile seconds, prefill tok/s, decode tok/s (aggregate over the
@@ -299,6 +300,56 @@ def matvec(shapes=MATVEC_SHAPES, repeats: int = 9) -> str:
     return "\n".join(lines)
 
 
+def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(1, 8),
+                 schemes=None, repeats: int = 9) -> str:
+    """Milliseconds of Kipp's stored CPU matmul over one decode step's projections at a
+    registry shape (every layer's q, k, v, o, gate, up and down, then the output head) at M
+    rows, per scheme: what the matmul alone costs a step, apart from attention and the rest
+    of the step (random planes, never zeros; median and range of `repeats`, interleaved)."""
+    from kipp.cuda.cpu import stored_matmul
+    from kipp.cuda.layout import Linear
+    from kipp.formats.registry import VOCAB_SIZE, get
+
+    ok, why = stored_matmul.available()
+    if not ok:
+        return f"Kipp's stored CPU matmul is unavailable: {why}"
+    schemes = schemes or stored_matmul.FORMATS
+    entry, rng = get(checkpoint), np.random.default_rng(0)
+    h, a, kv, f = entry.hidden, entry.attention_width, entry.kv_width, entry.intermediate
+    shapes = ((a, h), (kv, h), (kv, h), (h, a), (f, h), (f, h), (h, f))  # (N, K) per layer
+
+    def stacked(fmt, n, k):  # [L, ...] planes, read at each layer as the backend does
+        layers = [_stored_planes(rng, fmt, n, k) for _ in range(entry.layers)]
+        return Linear(*(None if getattr(layers[0], p) is None
+                        else jnp.stack([getattr(w, p) for w in layers])
+                        for p in ("w", "d", "m")), fmt=fmt)
+
+    def step(xs, planes, head):
+        outs = [stored_matmul.matmul(xs[k], w, layer=layer).sum()
+                for layer in range(entry.layers) for (_, k), w in zip(shapes, planes)]
+        return sum(outs) + stored_matmul.matmul(xs[h], head).sum()
+
+    call = jax.jit(step)
+    inputs = {m: {k: jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+                  for k in {h, a, f}} for m in m_values}
+    weights = {fmt: ([stacked(fmt, n, k) for n, k in shapes],
+                     _stored_planes(rng, fmt, VOCAB_SIZE, h)) for fmt in schemes}
+    times = {(fmt, m): [] for fmt in schemes for m in m_values}
+    for fmt, m in times:
+        jax.block_until_ready(call(inputs[m], *weights[fmt]))  # compile
+    for _ in range(repeats):
+        for (fmt, m), got in times.items():
+            got += _timed(lambda: jax.block_until_ready(call(inputs[m], *weights[fmt])), 1)
+    lines = [f"{checkpoint}: one step's projections through the stored CPU matmul, ms (median "
+             f"[min-max] of {repeats}, interleaved; load {os.getloadavg()[0]:.1f})"]
+    for fmt in schemes:
+        cells = [f"M={m}: {statistics.median(times[fmt, m]) * 1e3:6.1f} "
+                 f"[{min(times[fmt, m]) * 1e3:.1f}-{max(times[fmt, m]) * 1e3:.1f}]"
+                 for m in m_values]
+        lines.append(f"  {fmt:13} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", nargs="?")
@@ -313,6 +364,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", action="store_true", help="the weight-layout measurement")
     parser.add_argument("--matvec", action="store_true",
                         help="GB/s of the stored CPU matmul at one row, 0.6B-shape projections")
+    parser.add_argument("--step-matmuls", action="store_true",
+                        help="ms of the stored CPU matmul over one 0.6B-shape step's projections "
+                        "at 1 and 8 rows, per scheme")
     parser.add_argument("--compare", help="weight layouts to time side by side, e.g. f32,panels")
     parser.add_argument("--rounds", type=int, default=3, help="--compare's measured rounds")
     args = parser.parse_args(argv)
@@ -325,6 +379,9 @@ def main(argv=None) -> int:
         return 0
     if args.matvec:
         print(matvec())
+        return 0
+    if args.step_matmuls:
+        print(step_matmuls())
         return 0
     if not args.artifact:
         parser.error("an artifact path is needed (or --layouts)")
