@@ -350,6 +350,7 @@ def test_runner_refuses_to_record_a_fallback(tiny_home):
     assert runner.exit_status([path]) == 3
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: 'longest default checks')
 def test_a_jax_arm_without_a_gpu_measures_the_twins_unasked(tiny_home, monkeypatch):
     """`bench run --backends jax` on a CPU machine: no --expect-path needed, and the record
     says which path it expected."""

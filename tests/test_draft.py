@@ -156,6 +156,7 @@ def test_greedy_with_a_grammar(pair):
             assert spec.spec.acceptance_rate == 1.0
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the draft-model step)
 def test_seeded_sampling_reproduces_and_the_draft_follows(pair):
     target, base = pair("reference")
     prompt = target.tokenizer.encode("The cat sat on the mat and the dog")

@@ -293,6 +293,7 @@ def test_argmax_ties_are_judged_by_the_error_elsewhere_in_the_row():
     assert gates.argmax_check(got, want) == (1, 0)
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: 'longest default checks')
 def test_cli_gates_prints_a_passing_table(artifacts, synthetic_dir, capsys):
     code = cli_main(["gates", str(artifacts(TINY, "q8_0")), "--source", str(synthetic_dir(TINY))])
     out = capsys.readouterr().out

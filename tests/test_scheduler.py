@@ -138,6 +138,7 @@ def test_repeated_prompt_evaluates_only_its_last_token(model):
     assert tokens[0] == isolated(model, prompt, 5, temperature=0)[0]
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: 'longest default checks')
 def test_pool_pressure_delays_admission_and_every_request_completes(artifacts):
     small = load(artifacts(TINY), backend="reference", kv_tokens=8 * KV_BLOCK,
                  progress=False)

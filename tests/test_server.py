@@ -235,6 +235,7 @@ def _wait_idle(server, timeout=60):
     raise AssertionError(f"server not idle: {server.metrics()}")
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: 'longest default checks')
 def test_load_32_streams_with_a_killed_client(server, oracle):
     prompts = [f"Load test prompt {i}: the pool must not leak." for i in range(8)]
     expected = [isolated(oracle, p, 20, temperature=0)[0] for p in prompts]
