@@ -303,9 +303,10 @@ def matvec(shapes=MATVEC_SHAPES, repeats: int = 9) -> str:
 def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(1, 8),
                  schemes=None, repeats: int = 9) -> str:
     """Milliseconds of Kipp's stored CPU matmul over one decode step's projections at a
-    registry shape (every layer's q, k, v, o, gate, up and down, then the output head) at M
-    rows, per scheme: what the matmul alone costs a step, apart from attention and the rest
-    of the step (random planes, never zeros; median and range of `repeats`, interleaved)."""
+    registry shape (every layer's q, k, v, o, gate, up and down in the scheme, then the output
+    head in BF16, as kipp.formats.convert keeps it) at M rows, per scheme: what the matmul
+    alone costs a step, apart from attention and the rest of the step (random planes, never
+    zeros; median and range of `repeats`, interleaved)."""
     from kipp.cuda.cpu import stored_matmul
     from kipp.cuda.layout import Linear
     from kipp.formats.registry import VOCAB_SIZE, get
@@ -332,8 +333,9 @@ def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(
     call = jax.jit(step)
     inputs = {m: {k: jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
                   for k in {h, a, f}} for m in m_values}
+    head = _stored_planes(rng, "bf16", VOCAB_SIZE, h)  # the embedding, tied or not: BF16
     weights = {fmt: ([stacked(fmt, n, k) for n, k in shapes],
-                     _stored_planes(rng, fmt, VOCAB_SIZE, h)) for fmt in schemes}
+                     head) for fmt in schemes}
     times = {(fmt, m): [] for fmt in schemes for m in m_values}
     for fmt, m in times:
         jax.block_until_ready(call(inputs[m], *weights[fmt]))  # compile
