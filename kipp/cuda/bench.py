@@ -325,7 +325,7 @@ def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(
                         else jnp.stack([getattr(w, p) for w in layers])
                         for p in ("w", "d", "m")), fmt=fmt)
 
-    def step(xs, planes, head):
+    def step(xs, planes, head):  # each product summed: XLA drops a call whose result goes unused
         outs = [stored_matmul.matmul(xs[k], w, layer=layer).sum()
                 for layer in range(entry.layers) for (_, k), w in zip(shapes, planes)]
         return sum(outs) + stored_matmul.matmul(xs[h], head).sum()
