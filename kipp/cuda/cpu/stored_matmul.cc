@@ -216,23 +216,24 @@ void DecodeRow(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, i
   }
 }
 
-// A decode round's tiles read W rows n0 .. n0 + C - 1 side by side, each a short stream (2 KB
-// a row at K = 1024 in BF16) that the hardware prefetcher barely starts on before it ends; so
-// each tile asks for the same blocks of the rows kPrefetchTiles tiles ahead (W rows are
-// contiguous: that is the bytes about 4 tiles further on). A prefetch past the plane's end does
-// not fault.
+// A decode round's tiles read W rows n0 .. n0 + C - 1 side by side: C short streams (2 KB a row
+// at K = 1024 in BF16) interleaved, which the hardware prefetcher follows poorly. The tile's
+// rows are one contiguous span of each plane, and so is the tile kPrefetchTiles tiles ahead:
+// each block step asks for the next C blocks' worth of that span in address order, so the
+// memory sees one sequential stream per thread. A prefetch past the plane's end does not fault.
 constexpr int kPrefetchTiles = 4;
 
-template <Format F>
-inline void PrefetchBlock(const void* w, const uint16_t* d, const uint16_t* m, int64_t n,
-                          int64_t b, int64_t blocks) {
-  const int64_t at = n * blocks + b;  // the block's index in the d and m planes
+// Block step b of the tile whose first W row is `ahead`, C rows wide: its share of that tile's
+// span, C blocks of weight bytes (lines 64 bytes apart from the share's first byte: a constant
+// count, no alignment arithmetic in the compute-bound 4-bit tiles). The scale planes, a few
+// bytes a step, are one slow stream the hardware prefetcher keeps up with.
+template <Format F, int C>
+inline void PrefetchAhead(const void* w, int64_t ahead, int64_t b, int64_t blocks) {
   constexpr int64_t kBytes = F == Format::kBf16 ? 64 : F == Format::kQ8_0 ? 32 : 16;
-  if (at * kBytes % 64 == 0) __builtin_prefetch(static_cast<const char*>(w) + at * kBytes);
-  if (F != Format::kBf16 && at % 32 == 0) {  // 32 fp16 scales a line
-    __builtin_prefetch(d + at);
-    if (F == Format::kAffine4) __builtin_prefetch(m + at);
-  }
+  constexpr int kLines = (C * kBytes + 63) / 64;
+  const int64_t at = ahead * blocks + C * b;  // in blocks, from the plane's start
+  const char* bytes = static_cast<const char*>(w) + at * kBytes;
+  for (int i = 0; i < kLines; ++i) __builtin_prefetch(bytes + 64 * i);
 }
 
 // Whether a block's two halves come out of one decode (the 4-bit table), so both are kept.
@@ -250,7 +251,7 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int c = 0; c < C; ++c) PrefetchBlock<F>(w, d, m, n0 + c + kPrefetchTiles * C, b, blocks);
+    PrefetchAhead<F, C>(w, n0 + kPrefetchTiles * C, b, blocks);
     v16 half[2][C];
     for (int h = 0; h < 2; ++h) {
       // BF16 and q8_0 decode each half on its own; a 4-bit block's halves share its table
