@@ -107,10 +107,10 @@ def linear_case(kind, fmt, m, n, k, emulator=ASAN, seed=0) -> Measured:
                     float(np.abs(got - want).max()), float(np.abs(got - twin_out).max()), seconds)
 
 
-def _kv(kv_scheme, slots, seed):
-    """(kernel planes as numpy, dense K, dense V float32 [slots, 8, 128])."""
+def _kv(kv_scheme, slots, seed, kv_heads=8):
+    """(kernel planes as numpy, dense K, dense V float32 [slots, kv_heads, 128])."""
     rng = np.random.default_rng(seed)
-    k, v = (rng.standard_normal((slots, 8, 128)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((slots, kv_heads, 128)).astype(np.float32) for _ in range(2))
     if kv_scheme == "bf16":
         bits = [np.array(mx.array(a).astype(mx.bfloat16).view(mx.uint16)) for a in (k, v)]
         dense = [(b.astype(np.uint32) << 16).view(np.float32) for b in bits]
@@ -121,13 +121,14 @@ def _kv(kv_scheme, slots, seed):
 
 
 def attention_case(kv_scheme, heads, lengths, blocks_per_split, emulator=ASAN,
-                   seed=0) -> Measured:
+                   seed=0, kv_heads=8) -> Measured:
     """Split-K decode attention over scrambled tables (one sequence per length) vs the twin
-    (SDPA on the gathered rows) and a float64 softmax."""
+    (SDPA on the gathered rows) and a float64 softmax; `kv_heads`: the slab's KV heads (a
+    tensor-parallel rank holds a share of the 8)."""
     rng = np.random.default_rng(seed)
     width = max(-(-n // 32) for n in lengths)
     blocks = len(lengths) * width + 2
-    planes, keys, values = _kv(kv_scheme, blocks * 32, seed)
+    planes, keys, values = _kv(kv_scheme, blocks * 32, seed, kv_heads)
     tables = rng.permutation(blocks)[:len(lengths) * width].reshape(len(lengths), width)
     tables = tables.astype(np.int32)
     q = rng.standard_normal((len(lengths), heads, 128)).astype(np.float32)
@@ -137,7 +138,7 @@ def attention_case(kv_scheme, heads, lengths, blocks_per_split, emulator=ASAN,
         mx.array(np.array(lengths, np.int32)), kv_scheme, blocks_per_split, runner=emulator))
     seconds = _run_seconds(emulator) - start
     want, twin = np.zeros_like(got, np.float64), np.zeros_like(got)
-    group = heads // 8
+    group = heads // kv_heads
     for s, length in enumerate(lengths):
         pos = np.arange(length)
         slots = tables[s, pos // 32] * 32 + pos % 32
@@ -179,6 +180,26 @@ def test_decode_attention_kernel_on_emulator(kv_scheme, heads):
     assert r.vs_reference <= ATTENTION_NMSE and r.vs_twin <= ATTENTION_NMSE
 
 
+@pytest.mark.parametrize("kv_scheme", ["bf16", "q8_0"])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_decode_attention_kernel_on_a_tensor_parallel_share(kv_scheme, ranks):
+    """A rank of a tensor-parallel group holds 8 / ranks KV heads and the query heads that
+    share them (Qwen3-0.6B's 16 query heads: 8, 4, 2): its slab rows are that many heads wide."""
+    r = attention_case(kv_scheme, 16 // ranks, [1, 33, 300], blocks_per_split=2,
+                       kv_heads=8 // ranks)
+    print(f"decode attention {kv_scheme} over {ranks} ranks: NMSE vs reference "
+          f"{r.vs_reference:.1e}, vs twin {r.vs_twin:.1e}")
+    assert r.vs_reference <= ATTENTION_NMSE and r.vs_twin <= ATTENTION_NMSE
+
+
+def test_decode_attention_refuses_a_slab_its_heads_do_not_group_over():
+    planes, _, _ = _kv("bf16", 64, 0, kv_heads=3)
+    with pytest.raises(attention.AttentionError, match="the slab's 3 KV heads"):
+        attention.decode_attention(mx.zeros((1, 6, 128)), tuple(map(mx.array, planes)),
+                                   mx.zeros((1, 2), mx.int32), mx.ones((1,), mx.int32),
+                                   runner=ASAN)
+
+
 @pytest.mark.parametrize("kind", ["matvec", "matmul"])
 def test_linear_sources_pass_strict_address_spaces(kind):
     """clang with Metal's address spaces accepts every linear kernel source as MLX emits it."""
@@ -209,7 +230,7 @@ def _attention_call(kv_scheme):
     planes, _, _ = _kv(kv_scheme, 64, 0)
     inputs = [mx.zeros((1, 16, 128)), *map(mx.array, planes), mx.zeros((1, 2), mx.int32),
               mx.ones((1,), mx.int32)]
-    template = [("H", 16), ("G", 2), ("B", 2), ("BPS", 1), ("SPLITS", 2)]
+    template = [("H", 16), ("KVH", 8), ("G", 2), ("B", 2), ("BPS", 1), ("SPLITS", 2)]
     return inputs, dict(template=template, grid=(32, 2, 16), threadgroup=(32, 2, 1),
                         output_shapes=[(1, 16, 2, 128), (1, 16, 2, 2)],
                         output_dtypes=[mx.float32, mx.float32])
@@ -305,6 +326,11 @@ def _check_attention(kv_scheme="q8_0", emulator=ASAN):
     assert r.vs_reference <= ATTENTION_NMSE, f"NMSE vs reference {r.vs_reference:.2e}"
 
 
+def _check_attention_share(kv_scheme="bf16", emulator=ASAN):
+    r = attention_case(kv_scheme, 8, [1, 33, 300], 2, emulator, kv_heads=4)
+    assert r.vs_reference <= ATTENTION_NMSE, f"NMSE vs reference {r.vs_reference:.2e}"
+
+
 def _check_strict_matvec():
     check_strict(_mlx_source(linear.kernel_spec("matvec", "bf16"), _linear_call("matvec", "bf16")))
 
@@ -335,6 +361,11 @@ METAL_FAULTS = [
                 "attention.DECODE_SOURCE", "min(first + BPS * 32, length)",
                 "min(first + BPS * 32, length + 1)",
                 "NMSE vs the float64 reference", "NMSE vs reference"), _check_attention),
+    (MetalFault("decode attention strides the slab 8 KV heads wide whatever it holds",
+                "attention.DECODE_SOURCE", "size_t(slot) * KVH + kvh", "size_t(slot) * 8 + kvh",
+                "on a rank's slab of 4 KV heads the rows past its first half are read past "
+                "the slab's end: ASan's SEGV, or the emulator's NaN fill in the output",
+                "AddressSanitizer|not finite"), _check_attention_share),
     (MetalFault("simd_sum reached by half the lanes",
                 "linear.MATVEC_SOURCE", "const float total = simd_sum(acc[r]);",
                 "const float total = lane < 16 ? simd_sum(acc[r]) : 0.0f;",
@@ -524,3 +555,30 @@ def test_fault_catalogue_names_the_tests_that_plant_them():
     assert len(FAULT_CATALOGUE) == len(METAL_FAULTS) + 2
     for row in FAULT_CATALOGUE:
         assert callable(globals()[row["test"]]) and row["caught_by"], row["name"]
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_tensor_parallel_ranks_on_emulated_kernels(artifacts, ranks):
+    """Every rank of a tensor-parallel group (kipp.apple.distributed's Emulation: the group's
+    shards in one process) runs the real Metal sources on its own shard: its projections' rows
+    and columns, and decode attention over a slab of 8 / ranks KV heads, each probed at those
+    shapes. The group's logits are within the MLX cached-decode bound of the unsharded twins,
+    and its greedy tokens equal theirs."""
+    from kipp.apple import distributed
+    from kipp.gates.bounds import calibrated_bound
+
+    artifact = open_artifact(artifacts(TINY, "q8_0"))
+    group = distributed.Emulation(artifact, BLOCKS, ranks, "tensor", kernel_runner=FAST,
+                                  fallback=False)
+    for rank in group.ranks:
+        assert rank.choice.kernels and not rank.ops.twins
+        assert rank.ops.kv_heads == 8 // ranks
+        assert "decode_attention/bf16" in rank.kernel_report().running
+    got = distributed.check_steps(group, prompt_len=12, decode_steps=2)
+    want = distributed.check_steps(MLXBackend(artifact, BLOCKS), prompt_len=12, decode_steps=2)
+    bound = calibrated_bound("mlx", "cached_decode")
+    for step in ("step0", "step1", "step2"):
+        error = gates.nmse(got[step], want[step])
+        print(f"{ranks} ranks, {step}: NMSE {error:.1e} (bound {bound:.0e})")
+        assert error <= bound
+    assert np.array_equal(got["tokens"], want["tokens"])

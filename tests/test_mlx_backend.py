@@ -468,7 +468,7 @@ def test_attention_kernel_arguments_are_checked_before_the_call(kv_scheme):
     planes = _kv(kv_scheme)
     q = mx.ones((2, 16, 128))
     tables, lengths = mx.array([[0, 1], [2, 0]], dtype=mx.int32), mx.array([40, 20], mx.int32)
-    assert attention.check_decode_call(q, planes, tables, lengths, kv_scheme) == (2, 16, 2)
+    assert attention.check_decode_call(q, planes, tables, lengths, kv_scheme) == (2, 16, 8, 2)
     with pytest.raises(attention.AttentionError, match="q must"):
         attention.decode_attention(q.astype(mx.bfloat16), planes, tables, lengths, kv_scheme)
     with pytest.raises(attention.AttentionError, match="group"):
@@ -642,9 +642,10 @@ def _emulated_decode_attention(kv_scheme):
         def rows(p, slots):
             if kv_scheme == "bf16":
                 return (p[0][slots].astype(np.uint32) << 16).view(np.float32)
-            d = p[1][slots].view(np.float16).astype(np.float32)  # [P, 8, 4]
-            return (p[0][slots].astype(np.float32).reshape(*slots.shape, 8, 4, 32)
-                    * d[..., None]).reshape(*slots.shape, 8, 128)
+            heads = p[0].shape[1]  # 8, or a tensor-parallel rank's share
+            d = p[1][slots].view(np.float16).astype(np.float32)  # [P, heads, 4]
+            return (p[0][slots].astype(np.float32).reshape(*slots.shape, heads, 4, 32)
+                    * d[..., None]).reshape(*slots.shape, heads, 128)
         o = np.zeros(output_shapes[0], np.float32)
         ml = np.zeros(output_shapes[1], np.float32)
         span = t["BPS"] * KV_BLOCK

@@ -294,8 +294,8 @@ def test_a_one_rank_emulation_is_the_unsharded_backend_bitwise(artifacts, stream
 
 def test_the_kernel_path_runs_at_the_shard_shapes(artifacts, streams):
     """The kernel path on two shards (numpy stand-ins for Metal, tests/test_mlx_backend.py):
-    its kernels probed at the shard's own shapes, decode attention on its twin (a slab of 4
-    KV heads), the whole within the gate bound of the unsharded twins."""
+    its kernels probed at the shard's own shapes, decode attention too (a slab of 4 KV heads
+    and 8 query heads), the whole within the gate bound of the unsharded twins."""
     import test_mlx_backend as stand_ins
 
     artifact = open_artifact(artifacts(TINY, "q8_0"))
@@ -304,7 +304,8 @@ def test_the_kernel_path_runs_at_the_shard_shapes(artifacts, streams):
     lead = group.ranks[0]
     assert lead.choice.kernels
     assert {"matvec/q8_0@1024x256", "matmul/q8_0@256x384"} <= set(lead.kernel_report().running)
-    assert "decode_attention/bf16" in lead.ops.twins
+    assert "decode_attention/bf16" in lead.kernel_report().running
+    assert not lead.ops.twins
     assert_within_gate(distributed.check_steps(group),
                        distributed.check_steps(MLXBackend(artifact, BLOCKS)))
 

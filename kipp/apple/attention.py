@@ -6,7 +6,8 @@ slots through the block table into dense [8, P, 128] float32 K and V and run
 (the last query sees the last key). On Metal that is MLX's own fused kernel, so prefill has no
 Kipp kernel. Kernel `decode_attention` (Metal): one query per sequence, split along the context
 (split-K, "flash decoding"), which is what pays on long contexts: grid (32 lanes, G query heads
-of a KV head, S sequences x 8 KV heads x splits); a threadgroup is the G simdgroups sharing one
+of a KV head, S sequences x KVH KV heads x splits; KVH is 8, or a tensor-parallel rank's
+share of them); a threadgroup is the G simdgroups sharing one
 KV head and one range of `blocks_per_split` blocks, so each K/V row serves the whole group. A
 lane holds 4 of the 128 dims; each simdgroup writes its range's unnormalised output, running
 max and denominator, and the wrapper merges the ranges as the online softmax does. Variants:
@@ -61,7 +62,7 @@ def attention_twin(q: mx.array, keys: mx.array, values: mx.array, streams=(None,
 
 
 _LOAD_ROW = {
-    # 4 consecutive dims of one head-row: `row` is (slot * 8 + kv head), `dim` the first dim
+    # 4 consecutive dims of one head-row: `row` is (slot * KVH + kv head), `dim` the first dim
     "bf16": """
         inline float4 load_k(const device uint16_t* k, size_t row, uint dim) {
             const device uint16_t* p = k + row * 128 + dim;
@@ -86,8 +87,9 @@ inline float kipp_fp16(uint16_t bits) { return float(as_type<half>(bits)); }
 {LOAD_ROW}
 """
 
-# Template constants: H (query heads), G (= H / 8), B (table width), BPS (blocks per split),
-# SPLITS. Inputs: q float32 [S, H, 128]; the layer's slab planes; tables int32 [S, B];
+# Template constants: H (query heads), KVH (KV heads in the slab: 8, fewer on a tensor-parallel
+# rank), G (= H / KVH), B (table width), BPS (blocks per split), SPLITS. Inputs: q float32
+# [S, H, 128]; the layer's slab planes [slots, KVH, ...]; tables int32 [S, B];
 # lengths int32 [S] (visible positions: the query's position + 1). Outputs: o float32
 # [S, H, SPLITS, 128], ml float32 [S, H, SPLITS, 2] (running max, denominator).
 DECODE_SOURCE = """
@@ -97,8 +99,8 @@ DECODE_SOURCE = """
     const uint g = thread_position_in_grid.y;
     const uint z = thread_position_in_grid.z;
     const uint c = z % SPLITS;
-    const uint kvh = (z / SPLITS) % 8;
-    const uint s = z / (SPLITS * 8);
+    const uint kvh = (z / SPLITS) % KVH;
+    const uint s = z / (SPLITS * KVH);
     const uint h = kvh * G + g;
     const uint dim = lane * 4;
     const int length = lengths[s];
@@ -113,7 +115,7 @@ DECODE_SOURCE = """
     const int stop = min(first + BPS * 32, length);
     for (int p = first; p < stop; ++p) {
         const int slot = tables[size_t(s) * B + p / 32] * 32 + p % 32;
-        const size_t row = size_t(slot) * 8 + kvh;
+        const size_t row = size_t(slot) * KVH + kvh;
         const float score = simd_sum(dot(qv, {READ_K}));
         const float m_new = max(m, score);
         const float alpha = exp(m - m_new);  // 0 on the first position (m = MASKED)
@@ -167,28 +169,32 @@ def kernel(kv_scheme: str, runner=None):
     return metal.kernel(kernel_spec(kv_scheme), runner)
 
 
-def check_decode_call(q, planes, tables, lengths, kv_scheme: str) -> tuple[int, int, int]:
-    """(S, H, B) after checking every array's dtype and shape against the kernel's contract."""
+def check_decode_call(q, planes, tables, lengths, kv_scheme: str
+                      ) -> tuple[int, int, int, int]:
+    """(S, H, KVH, B) after checking every array's dtype and shape against the kernel's
+    contract. KVH, the slab's KV heads, is Qwen3's 8 or a tensor-parallel rank's share."""
     if kv_scheme not in _INPUTS:
         raise AttentionError(f"no decode attention kernel for kv_scheme {kv_scheme!r}")
     if q.dtype != mx.float32 or q.ndim != 3 or q.shape[2] != HEAD_DIM:
         raise AttentionError(f"q must be float32 [S, H, {HEAD_DIM}], got {q.dtype} "
                              f"{tuple(q.shape)}")
     s, h, _ = q.shape
-    if h % KV_HEADS:
-        raise AttentionError(f"{h} query heads do not group over {KV_HEADS} KV heads")
     want = ((mx.uint16, HEAD_DIM),) if kv_scheme == "bf16" else (
         (mx.int8, HEAD_DIM), (mx.uint16, ROW_BLOCKS))
     if len(planes) != 2 * len(want):
         raise AttentionError(f"{kv_scheme} KV takes {2 * len(want)} planes (K then V), got "
                              f"{len(planes)}")
     slots = planes[0].shape[0]
+    kvh = planes[0].shape[1] if planes[0].ndim == 3 else 0
+    if not 1 <= kvh <= KV_HEADS or KV_HEADS % kvh or h % kvh:
+        raise AttentionError(f"the slab's {kvh} KV heads: expected {KV_HEADS} or a share of them "
+                             f"(1, 2 or 4) over which the {h} query heads group")
     if slots % KV_BLOCK:
         raise AttentionError(f"the slab's {slots} slots are not whole {KV_BLOCK}-slot blocks")
     for i, plane in enumerate(planes):
         dtype, last = want[i % len(want)]
-        if plane.dtype != dtype or tuple(plane.shape) != (slots, KV_HEADS, last):
-            raise AttentionError(f"KV plane {i} must be {dtype} [{slots}, {KV_HEADS}, {last}], "
+        if plane.dtype != dtype or tuple(plane.shape) != (slots, kvh, last):
+            raise AttentionError(f"KV plane {i} must be {dtype} [{slots}, {kvh}, {last}], "
                                  f"got {plane.dtype} {tuple(plane.shape)}")
     if tables.dtype != mx.int32 or tables.ndim != 2 or tables.shape[0] != s:
         raise AttentionError(f"tables must be int32 [{s}, B], got {tables.dtype} "
@@ -196,7 +202,7 @@ def check_decode_call(q, planes, tables, lengths, kv_scheme: str) -> tuple[int, 
     if lengths.dtype != mx.int32 or tuple(lengths.shape) != (s,):
         raise AttentionError(f"lengths must be int32 [{s}], got {lengths.dtype} "
                              f"{tuple(lengths.shape)}")
-    return s, h, tables.shape[1]
+    return s, h, kvh, tables.shape[1]
 
 
 def decode_attention(q: mx.array, planes: tuple, tables: mx.array, lengths: mx.array,
@@ -206,14 +212,14 @@ def decode_attention(q: mx.array, planes: tuple, tables: mx.array, lengths: mx.a
     positions through `tables` (module docstring). `planes`: K's then V's kernel planes
     (KVSlab.kernel_planes). Table entries past a sequence's length are never read, but must be
     valid slab blocks (pad with 0). `runner`: who runs the Metal source (kipp.apple.metal)."""
-    s, h, b = check_decode_call(q, planes, tables, lengths, kv_scheme)
+    s, h, kvh, b = check_decode_call(q, planes, tables, lengths, kv_scheme)
     bps = max(1, min(blocks_per_split, b))
     splits = -(-b // bps)
-    g = h // KV_HEADS
+    g = h // kvh
     o, ml = kernel(kv_scheme, runner)(
         inputs=[q, *planes, tables, lengths],
-        template=[("H", h), ("G", g), ("B", b), ("BPS", bps), ("SPLITS", splits)],
-        grid=(32, g, s * KV_HEADS * splits), threadgroup=(32, g, 1),
+        template=[("H", h), ("KVH", kvh), ("G", g), ("B", b), ("BPS", bps), ("SPLITS", splits)],
+        grid=(32, g, s * kvh * splits), threadgroup=(32, g, 1),
         output_shapes=[(s, h, splits, HEAD_DIM), (s, h, splits, 2)],
         output_dtypes=[mx.float32, mx.float32])
     return merge_splits(o, ml[..., 0], ml[..., 1]).reshape(s, h * HEAD_DIM)

@@ -89,8 +89,6 @@ class MLXBackend(Backend):
                         else probe.KernelReport())
         # a probe at a shard's shape ("matvec/q8_0@1024x1024") that fails: the variant's twin
         twins = {name.split("@")[0] for name in self.kernels.fell_back}
-        if kv_heads != KV_HEADS:  # the decode kernel's slab rows are 8 KV heads wide
-            twins.add(f"decode_attention/{kv_scheme}")
         self.ops = forward.Ops(self.choice.kernels, select.cpu_streams(gpu), kernel_runner,
                                frozenset(twins), kv_heads)
         start = time.perf_counter()
@@ -109,11 +107,14 @@ class MLXBackend(Backend):
     def _probe(self, fallback: bool, runner, own: Artifact) -> probe.KernelReport:
         """Every kernel variant this checkpoint uses, against its twin (kipp.apple.probe), run
         by `runner` (kipp.apple.metal; None: MLX on Metal), which is part of the cache key.
-        A shard's projections are probed at the shard's own shapes too."""
+        A shard's projections are probed at the shard's own shapes too, and decode attention
+        at its heads."""
         from kipp.apple import probe as probes
 
-        checks = probes.probes(self.scheme.name, self.kv_scheme, self.entry.query_heads,
-                               runner=runner)
+        heads = (self.entry.query_heads, KV_HEADS) if self.shard is None else (
+            self.shard.query_heads[1] - self.shard.query_heads[0], self.shard.kv_heads)
+        checks = probes.probes(self.scheme.name, self.kv_scheme, heads[0], runner=runner,
+                               kv_heads=heads[1])
         shapes = ()
         if self.shard is not None:
             shapes, shaped = self.shard.probes(own, runner)
@@ -121,7 +122,8 @@ class MLXBackend(Backend):
         # the runner and the kernels' sources are part of the key: a test that plants a fault
         # in a source, or runs the kernels another way, meets kernels not probed yet
         key = ("mlx", str(mx.default_device()), runner, probes.sources(self.scheme.name,
-                                                                       self.kv_scheme), shapes)
+                                                                       self.kv_scheme), shapes,
+               heads)
         report = probe.run_probes(checks, key, fallback, log)
         log.info("kernel probes: %s (%.2f s)", report.summary(), report.seconds)
         return report

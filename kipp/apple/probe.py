@@ -2,7 +2,7 @@
 on a small input against the twin that would replace it (kipp.probe runs and judges them).
 
 Variants: the decode matvec and the prefill matmul in the artifact's weight format and in BF16
-(the head), and decode attention for the KV scheme. Inputs are seeded and small (64 x 256
+(the head), and decode attention for the KV scheme over the KV heads this process holds. Inputs are seeded and small (64 x 256
 weights quantized by kipp.formats.quant; 3 and 40 tokens: a partial 32-token tile past a full
 one; two sequences of 40 and 9 positions over a scrambled block table). The kernels are reached
 the way the model reaches them, with the backend's kernel runner (kipp.apple.metal), so
@@ -33,9 +33,11 @@ TABLES = ((2, 0), (1, 3))  # their block tables (scrambled)
 
 
 def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0,
-           runner=None) -> list[Probe]:
+           runner=None, kv_heads: int = KV_HEADS) -> list[Probe]:
     """The probes of a checkpoint in weight scheme `scheme` with `kv_scheme` KV, the kernels
-    run by `runner` (kipp.apple.metal: None is MLX on Metal; the Metal emulator; a test's)."""
+    run by `runner` (kipp.apple.metal: None is MLX on Metal; the Metal emulator; a test's).
+    `query_heads`, `kv_heads`: the heads this process attends over (a tensor-parallel rank's
+    share), so decode attention is probed at the slab it will read."""
     rng = np.random.default_rng(seed)
     found = []
     for fmt in dict.fromkeys((scheme, "bf16")):  # the head is BF16 whatever the scheme
@@ -45,7 +47,7 @@ def probes(scheme: str, kv_scheme: str, query_heads: int, seed: int = 0,
             found.append(Probe(f"{kind}/{fmt}",
                                lambda kernel=kernel, x=x, w=w: np.array(kernel(x, w, runner)),
                                lambda x=x, w=w: np.array(linear.planes_twin(x, w)), BOUND))
-    found.append(_attention_probe(kv_scheme, query_heads, rng, runner))
+    found.append(_attention_probe(kv_scheme, query_heads, kv_heads, rng, runner))
     return found
 
 
@@ -66,12 +68,12 @@ def probe_weight(fmt: str, rng) -> layout.Linear:
     return layout.Linear(fmt, ROWS, COLS, planes=planes)
 
 
-def _attention_probe(kv_scheme: str, query_heads: int, rng, runner) -> Probe:
+def _attention_probe(kv_scheme: str, query_heads: int, kv_heads: int, rng, runner) -> Probe:
     slots = 4 * KV_BLOCK
-    k, v = KVSlab(1, slots, kv_scheme), KVSlab(1, slots, kv_scheme)
+    k, v = KVSlab(1, slots, kv_scheme, kv_heads), KVSlab(1, slots, kv_scheme, kv_heads)
     everywhere = mx.array(np.arange(slots, dtype=np.int32))
     for slab in (k, v):
-        rows = rng.standard_normal((slots, KV_HEADS, HEAD_DIM)).astype(np.float32)
+        rows = rng.standard_normal((slots, kv_heads, HEAD_DIM)).astype(np.float32)
         slab.store(0, mx.array(rows), everywhere)
     mx.eval(k.arrays() + v.arrays())
     q = mx.array(rng.standard_normal((len(LENGTHS), query_heads, HEAD_DIM)).astype(np.float32))
