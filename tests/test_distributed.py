@@ -251,6 +251,35 @@ def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 2])
+def test_of_four_processes_the_one_killed_is_named(artifacts, tmp_path, victim):
+    """Four processes (tensor parallel, a quarter of the heads each); SIGKILL of one while the
+    leader decodes: the three survivors exit within the bound, each with one line naming it
+    and its address (its beat in the coordinator's store stopped, the others' moved on; the
+    store outlives a killed process 0 in its child)."""
+    artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
+    started = start_group(artifact, tmp_path, "--repeat", 100_000, "--layout", "f32",
+                          processes=4)
+    ready = [out.with_suffix(".ready") for _, _, out, _ in started]
+    end = time.monotonic() + DEADLINE_S
+    while not all(r.exists() for r in ready) and time.monotonic() < end:
+        assert all(p.poll() is None for _, p, _, _ in started), logs(started)
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside the decode loop
+    _, proc, _, _ = started[victim]
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    codes = wait_all(started, deadline_s=FAILURE_BOUND_S + 30)
+    took = time.monotonic() - killed
+    assert codes == {i: -signal.SIGKILL if i == victim else 3 for i in range(4)}, logs(started)
+    where = "coordinator 127.0.0.1:" if victim == 0 else f"127.0.0.1 pid {proc.pid}"
+    for survivor in {0, 1, 2, 3} - {victim}:
+        [line] = broken_lines(started[survivor][3])
+        assert f"process {survivor} of 4: lost process {victim} ({where}" in line, line
+    assert took < FAILURE_BOUND_S, took
+
+
+@pytest.mark.slow
 def test_a_follower_killed_while_the_leader_is_busy(artifacts, tmp_path):
     """The follower dies while the leader holds the group for longer than the runtime's old
     10 s heartbeat, sending nothing (as a step compiling under load does): the leader still

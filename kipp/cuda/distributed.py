@@ -16,7 +16,9 @@ collective long and a dead peer is seen within seconds.
 
 A peer that dies or never joins: every survivor writes one line naming the lost process and
 its address (published in the coordinator's key-value store at join) and exits with
-EXIT_GROUP_BROKEN, rather than hang or wait for the runtime's heartbeat abort. JAX's
+EXIT_GROUP_BROKEN, rather than hang or wait for the runtime's heartbeat abort. Of two
+processes the lost one is the other; of more, the one whose beat (a counter each process
+advances in the key-value store every BEAT_S) has stopped. JAX's
 coordination service runs in a child of process 0 (kipp.cuda.coordinator): hosted in process 0
 itself, it would die with it and the runtime would abort every survivor first.
 """
@@ -55,6 +57,8 @@ SHUTDOWN_S = 10  # how long jax.distributed.shutdown waits for every process at 
 # stretch, a step compiling under load with the lock held.
 SILENCE_S = 120.0
 HEADER = 8  # int32 words of a step's header: command, then the Bucket's five fields
+BEAT_S = 1.0  # how often each process advances its beat in the key-value store
+BEAT_WAIT_S = 3.0  # a beat that has not moved this long (a few BEAT_S) is a lost process's
 
 
 class Command(enum.IntEnum):
@@ -179,6 +183,7 @@ def join(group: Group, *, heartbeat_s: int = HEARTBEAT_S) -> Link:
     joined.set()
     link = Link(jax.process_index(), jax.process_count(), group.coordinator or "")
     link.publish_address()
+    link.start_beat()
     return link
 
 
@@ -288,6 +293,24 @@ class Link:
                 client.key_value_set(f"kipp/address/{self.process_id}",
                                      f"{_own_address()} pid {os.getpid()}")
 
+    def start_beat(self) -> None:
+        """Advance this process's beat every BEAT_S (a daemon thread), so that of more than
+        two processes a survivor can tell which one was lost (lost_processes)."""
+        client = _client()
+        if client is None or self.processes <= 2:
+            return
+
+        def beat():
+            count = 0
+            while not self._stopped:
+                count += 1
+                with contextlib.suppress(Exception):  # a broken group: the guard reports it
+                    client.key_value_set(f"kipp/beat/{self.process_id}", str(count),
+                                         allow_overwrite=True)
+                time.sleep(BEAT_S)
+
+        threading.Thread(target=beat, daemon=True, name="kipp-distributed-beat").start()
+
     def _guard(self, what: str, action: Callable[[], object]):
         try:
             return action()
@@ -306,12 +329,59 @@ class Link:
         _exit(f"process {self.process_id} of {self.processes}: {problem} while {what}{cause}")
 
     def lost_processes(self) -> list[int]:
-        """The peer a follower or a two-process leader lost; [] when it cannot tell (the
-        coordination service's live-node query is itself a barrier every process must join,
-        so it cannot be asked here)."""
-        if self.process_id != 0:
-            return [0] if self.processes == 2 else []
-        return [1] if self.processes == 2 else []
+        """The peers this process lost: of two, the other; of more, those whose beat did not
+        move in BEAT_WAIT_S (the coordination service's live-node query is itself a barrier
+        every process must join, so it cannot be asked here). The first survivor to judge
+        records its verdict in the store, and later ones take it: by the time they see the
+        failure, the first survivors may have exited and stopped beating too. [] when it
+        cannot tell (the store is gone with process 0's service)."""
+        if self.processes == 2:
+            return [1 - self.process_id]
+        client = _client()
+        recorded = self._read("kipp/lost")
+        if recorded:
+            return [int(i) for i in recorded.split(",")]
+        peers = [i for i in range(self.processes) if i != self.process_id]
+        before = self._beats(peers)
+        if before is None:
+            return []
+        time.sleep(BEAT_WAIT_S)
+        after = self._beats(peers)
+        if after is None:
+            return []
+        lost = [i for i in peers if after[i] is None or after[i] == before[i]]
+        if lost and client is not None:
+            with contextlib.suppress(Exception):  # another survivor recorded one first
+                client.key_value_set("kipp/lost", ",".join(map(str, lost)))
+            recorded = self._read("kipp/lost")
+            if recorded:
+                return [int(i) for i in recorded.split(",")]
+        return lost
+
+    def _read(self, key: str) -> str | None:
+        """A key's value, or None (never set, or the store cannot be read)."""
+        client = _client()
+        if client is None:
+            return None
+        try:
+            return client.key_value_try_get(key)
+        except Exception:  # NOT_FOUND, or the service is gone
+            return None
+
+    def _beats(self, peers: list[int]) -> dict[int, str | None] | None:
+        """Each peer's beat (None: never set), or None when the store cannot be read."""
+        client = _client()
+        if client is None:
+            return None
+        beats = {}
+        for i in peers:
+            try:
+                beats[i] = client.key_value_try_get(f"kipp/beat/{i}")
+            except Exception as e:  # try_get raises NOT_FOUND for a key never set
+                if "NOT_FOUND" not in str(e):
+                    return None
+                beats[i] = None
+        return beats
 
     def address_of(self, process_id: int) -> str:
         if process_id == 0:
