@@ -11,7 +11,8 @@
 // in the build for CPUs with AMX tiles, BF16 weights meet x on the tile unit (stored_amx.h,
 // its own numerics, described there).
 // A decode round (up to 8 rows of x) decodes each block into registers and multiplies the rows
-// of a pass (4 rows, or all 8 for the 4-bit formats) against it, W tiles of up to 6 rows; a
+// of a pass (4 rows, or all 8 for the 4-bit formats) against it, W tiles of 1 or 2 rows (BF16,
+// q8_0: one sequential stream) or up to 4 (the 4-bit tables); a
 // longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
 // decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows. Either way
 // each x vector is held in a register across its tile's W rows (loads, not FMAs, bounded the
@@ -280,12 +281,25 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
 constexpr int kFusedRows = 8;
 template <Format F>
 constexpr int PassRows() { return kSharedHalves<F> ? 8 : 4; }
-// W rows a tile of R x rows takes: at most 24 accumulators; a 4-bit tile, its two decoded
-// halves a W row beside them, at most 4 W rows and 30 registers (wider ones spill).
-constexpr int kFusedCols = 6;
+// W rows a tile of R x rows takes at most. BF16 and q8_0: two (DecodeWidth). A 4-bit tile,
+// its two decoded halves a W row beside them: at most 4 W rows and 30 registers (wider ones
+// spill).
+constexpr int kFusedCols = 4;
 template <Format F>
 constexpr int FusedWidth(int rows) {
-  return kSharedHalves<F> ? std::min(4, 30 / (rows + 2)) : std::min(kFusedCols, 24 / rows);
+  return kSharedHalves<F> ? std::min(4, 30 / (rows + 2)) : 2;
+}
+// W rows a decode round's tiles take. BF16 and q8_0 take one W row at a time for up to
+// kStreamRows x rows: each thread then reads one sequential stream, which the hardware
+// prefetcher follows, where rows side by side are short interleaved streams it does not (a
+// row's decode is cheap next to its bytes). A round of more x rows takes two W rows, whose FMAs
+// would otherwise wait on each chain's latency. The 4-bit tiles, bound by their table decode,
+// take FusedWidth. Which W rows share a tile changes no output's chain.
+constexpr int64_t kStreamRows = 4;
+template <Format F>
+constexpr int64_t DecodeWidth(int64_t rows) {
+  if (kSharedHalves<F>) return FusedWidth<F>(std::min<int64_t>(rows, PassRows<F>()));
+  return rows <= kStreamRows ? 1 : FusedWidth<F>(PassRows<F>());
 }
 // A decode round's tile as the tables (this one and stored_avx2.h's) hold it.
 using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
@@ -299,8 +313,7 @@ constexpr FusedFn FusedPick() {
 template <Format F, int R>
 struct FusedRow {
   static constexpr FusedFn kTiles[kFusedCols] = {
-      FusedPick<F, R, 1>(), FusedPick<F, R, 2>(), FusedPick<F, R, 3>(),
-      FusedPick<F, R, 4>(), FusedPick<F, R, 5>(), FusedPick<F, R, 6>()};
+      FusedPick<F, R, 1>(), FusedPick<F, R, 2>(), FusedPick<F, R, 3>(), FusedPick<F, R, 4>()};
 };
 template <Format F>
 struct Fused {
@@ -372,7 +385,7 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
   const int64_t first = u * group;
   const int64_t count = std::min(group, n - first);
   if (rows <= kFusedRows) {  // a decode round: each block decoded into registers
-    const int64_t pass = PassRows<F>(), width = FusedWidth<F>(std::min(rows, pass));
+    const int64_t pass = PassRows<F>(), width = DecodeWidth<F>(rows);
     for (int64_t c = 0; c < count; c += width) {
       const int64_t tc = std::min(width, count - c);
       for (int64_t r = 0; r < rows; r += pass) {
