@@ -10,9 +10,9 @@
 // for that set (stored_avx2.h: the same operations in 8-float halves), plain C++ otherwise;
 // in the build for CPUs with AMX tiles, BF16 weights meet x on the tile unit (stored_amx.h,
 // its own numerics, described there).
-// A decode round (up to 8 rows of x) decodes each block into registers and multiplies the rows
-// of a pass (4 rows, or all 8 for the 4-bit formats) against it, W tiles of 1 or 2 rows (BF16,
-// q8_0: one sequential stream) or up to 4 (the 4-bit tables); a
+// A decode round (up to 8 rows of x) decodes each block into registers and multiplies all its
+// rows against it, W tiles of 1 or 2 rows (BF16, q8_0: one sequential stream) or up to 4 (the
+// 4-bit tables); a
 // longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
 // decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows. Either way
 // each x vector is held in a register across its tile's W rows (loads, not FMAs, bounded the
@@ -275,12 +275,9 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
     for (int c = 0; c < C; ++c) y[r * ldy + n0 + c] = Sum16(acc[r][c]);
 }
 
-// A decode round (up to kFusedRows rows) runs in passes of up to PassRows x rows over each tile
-// of W rows, the tile's stored bytes staying in L1 from one pass to the next: 4 rows where a
-// second decode is cheap (their x fits in L1 beside the tile), all 8 for the 4-bit tables.
+// A decode round (up to kFusedRows rows) runs all its x rows against each tile of W rows, so
+// each block is decoded once.
 constexpr int kFusedRows = 8;
-template <Format F>
-constexpr int PassRows() { return kSharedHalves<F> ? 8 : 4; }
 // W rows a tile of R x rows takes at most. BF16 and q8_0: two (DecodeWidth). A 4-bit tile,
 // its two decoded halves a W row beside them: at most 4 W rows and 30 registers (wider ones
 // spill).
@@ -298,8 +295,8 @@ constexpr int FusedWidth(int rows) {
 constexpr int64_t kStreamRows = 4;
 template <Format F>
 constexpr int64_t DecodeWidth(int64_t rows) {
-  if (kSharedHalves<F>) return FusedWidth<F>(std::min<int64_t>(rows, PassRows<F>()));
-  return rows <= kStreamRows ? 1 : FusedWidth<F>(PassRows<F>());
+  if (kSharedHalves<F>) return FusedWidth<F>(rows);
+  return rows <= kStreamRows ? 1 : FusedWidth<F>(rows);
 }
 // A decode round's tile as the tables (this one and stored_avx2.h's) hold it.
 using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
@@ -307,7 +304,7 @@ using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, co
 // The tiles a pass uses, R x rows by C W rows (nullptr for shapes no pass makes).
 template <Format F, int R, int C>
 constexpr FusedFn FusedPick() {
-  if constexpr (R <= PassRows<F>() && C <= FusedWidth<F>(R)) return FusedTile<F, R, C>;
+  if constexpr (C <= FusedWidth<F>(R)) return FusedTile<F, R, C>;
   return nullptr;
 }
 template <Format F, int R>
@@ -385,13 +382,10 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
   const int64_t first = u * group;
   const int64_t count = std::min(group, n - first);
   if (rows <= kFusedRows) {  // a decode round: each block decoded into registers
-    const int64_t pass = PassRows<F>(), width = DecodeWidth<F>(rows);
+    const int64_t width = DecodeWidth<F>(rows);
     for (int64_t c = 0; c < count; c += width) {
       const int64_t tc = std::min(width, count - c);
-      for (int64_t r = 0; r < rows; r += pass) {
-        const int64_t tr = std::min(pass, rows - r);
-        Fused<F>::kTiles[tr - 1][tc - 1](x + r * k, k, w, d, m, first + c, y + r * n, n);
-      }
+      Fused<F>::kTiles[rows - 1][tc - 1](x, k, w, d, m, first + c, y, n);
     }
     return;
   }
