@@ -131,6 +131,41 @@ inline __m512 HalfBroadcast(const uint16_t* h) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// A 4-bit block [16 bytes of nibbles] as float32 from its table (each entry quant.py's
+// arithmetic on that nibble, so the same bits), looked up per nibble: vpermps reads only an
+// index's low 4 bits, so the low nibbles need no mask. `scale`, `low`: d (and affine4's m) in
+// every lane.
+template <Format F>
+inline void DecodeNibbles(const uint8_t* q, __m512 scale, __m512 low, v16* lo, v16* hi) {
+  const __m512i wide =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  __m512 table;
+  if constexpr (F == Format::kScale4) {  // d * (q - 8)
+    (void)low;
+    table = _mm512_mul_ps(scale, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4,
+                                                5, 6, 7));
+  } else {  // d * q + m
+    table = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                              11, 12, 13, 14, 15)),
+                          low);
+  }
+  *lo = reinterpret_cast<v16>(_mm512_permutexvar_ps(wide, table));
+  *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
+}
+
+// A decode tile's 4-bit scales (and affine4's m) kScaleRun blocks at a time, converted to
+// float32 in one instruction per row (Half's exact values): each block's table multiply then
+// broadcasts its scale from memory, where a broadcast and a conversion per block took two of
+// the shuffles that bound the 4-bit tiles.
+constexpr int64_t kScaleRun = 16;
+inline void HalfRun(const uint16_t* h, int64_t count, float* out) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, h)));
+}
+#define KIPP_SCALE_RUNS 1
+#endif
+
 // Block b of row n (n within the layer's planes) as float32, quant.py's arithmetic exactly:
 // elements 0..15 in *lo, 16..31 in *hi. AVX-512 where the CPU has it, plain C++ otherwise;
 // both give the same bits (every step is exact but affine4's one rounded add).
@@ -153,24 +188,9 @@ inline void DecodeBlock(const void* w, const uint16_t* d, const uint16_t* m, int
     *lo = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l))));
     *hi = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h))));
   } else {
-    // The block's 16 values as a table (each entry quant.py's arithmetic on that nibble, so
-    // the same bits), looked up per nibble: vpermps reads only an index's low 4 bits, so the
-    // low nibbles need no mask.
-    const uint8_t* q = static_cast<const uint8_t*>(w) + at * 16;
-    const __m512i wide =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    const __m512 scale = HalfBroadcast(d + at);
-    __m512 table;
-    if constexpr (F == Format::kScale4) {  // d * (q - 8)
-      table = _mm512_mul_ps(scale, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
-                                                  4, 5, 6, 7));
-    } else {  // d * q + m
-      table = _mm512_add_ps(_mm512_mul_ps(scale, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                10, 11, 12, 13, 14, 15)),
-                            HalfBroadcast(m + at));
-    }
-    *lo = reinterpret_cast<v16>(_mm512_permutexvar_ps(wide, table));
-    *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
+    const __m512 low = F == Format::kAffine4 ? HalfBroadcast(m + at) : _mm512_setzero_ps();
+    DecodeNibbles<F>(static_cast<const uint8_t*>(w) + at * 16, HalfBroadcast(d + at), low, lo,
+                     hi);
   }
 #else
   float o[kBlock];
@@ -251,15 +271,41 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
   v16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
+#if defined(KIPP_SCALE_RUNS)
+  // the scale runs pay in the narrow rounds, where the tables' shuffles bound the tile; a
+  // wider round's accumulators leave no registers for them
+  constexpr bool kRuns = kSharedHalves<F> && R <= 2;
+  float ds[kRuns ? C : 1][kScaleRun], ms[kRuns && F == Format::kAffine4 ? C : 1][kScaleRun];
+#endif
   for (int64_t b = 0; b < blocks; ++b) {
     PrefetchAhead<F, C>(w, n0 + kPrefetchTiles * C, b, blocks);
+#if defined(KIPP_SCALE_RUNS)
+    if (kRuns && b % kScaleRun == 0) {
+      const int64_t run = std::min(kScaleRun, blocks - b);
+      for (int c = 0; c < C; ++c) {
+        HalfRun(d + (n0 + c) * blocks + b, run, ds[c]);
+        if constexpr (F == Format::kAffine4) HalfRun(m + (n0 + c) * blocks + b, run, ms[c]);
+      }
+    }
+#endif
     v16 half[2][C];
     for (int h = 0; h < 2; ++h) {
       // BF16 and q8_0 decode each half on its own; a 4-bit block's halves share its table
       if (h == 0 || !kSharedHalves<F>) {
         for (int c = 0; c < C; ++c) {
           v16 lo, hi;
+#if defined(KIPP_SCALE_RUNS)
+          if constexpr (kRuns) {
+            const __m512 low = F == Format::kAffine4 ? _mm512_set1_ps(ms[c][b % kScaleRun])
+                                                      : _mm512_setzero_ps();
+            DecodeNibbles<F>(static_cast<const uint8_t*>(w) + ((n0 + c) * blocks + b) * 16,
+                             _mm512_set1_ps(ds[c][b % kScaleRun]), low, &lo, &hi);
+          } else {
+            DecodeBlock<F>(w, d, m, n0 + c, b, blocks, &lo, &hi);
+          }
+#else
           DecodeBlock<F>(w, d, m, n0 + c, b, blocks, &lo, &hi);
+#endif
           half[h][c] = h ? hi : lo;
           if (kSharedHalves<F>) half[1][c] = hi;
         }
