@@ -12,11 +12,10 @@
 // its own numerics, described there).
 // A decode round (up to 8 rows of x) decodes each block into registers and multiplies all its
 // rows against it, W tiles of 1 or 2 rows (BF16, q8_0: one sequential stream) or up to 4 (the
-// 4-bit tables); a
-// longer round's unit is as many W rows as fill an L2-sized float32 scratch (16 to 128),
-// decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows. Either way
-// each x vector is held in a register across its tile's W rows (loads, not FMAs, bounded the
-// narrower tiles) and each stored byte is read from memory once.
+// 4-bit tables); a longer round's unit is as many W rows as fill an L2-sized float32 scratch
+// (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows.
+// Either way each x vector is held in a register across its tile's W rows (loads, not FMAs,
+// bounded the narrower tiles) and each stored byte is read from memory once.
 //
 // Numerics: each output y[m][n] is a 16-lane fused multiply-add chain over k (lane j sums
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations
@@ -341,13 +340,12 @@ constexpr int FusedWidth(int rows) {
 constexpr int64_t kStreamRows = 4;
 template <Format F>
 constexpr int64_t DecodeWidth(int64_t rows) {
-  if (kSharedHalves<F>) return FusedWidth<F>(rows);
-  return rows <= kStreamRows ? 1 : FusedWidth<F>(rows);
+  return !kSharedHalves<F> && rows <= kStreamRows ? 1 : FusedWidth<F>(rows);
 }
 // A decode round's tile as the tables (this one and stored_avx2.h's) hold it.
 using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
                          int64_t, float*, int64_t);
-// The tiles a pass uses, R x rows by C W rows (nullptr for shapes no pass makes).
+// The tiles a round uses, R x rows by C W rows (nullptr for shapes no round makes).
 template <Format F, int R, int C>
 constexpr FusedFn FusedPick() {
   if constexpr (C <= FusedWidth<F>(R)) return FusedTile<F, R, C>;
