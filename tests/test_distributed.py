@@ -223,13 +223,9 @@ def test_a_process_that_never_joins(artifacts, tmp_path, present):
     assert took < 5 + FAILURE_BOUND_S, took
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
-    """SIGKILL of one process while the leader decodes: the other exits within the bound with
-    one line naming the lost process and its address."""
-    artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
-    started = start_group(artifact, tmp_path, "--repeat", 100_000, "--layout", "f32")
+def kill_mid_decode(started, victim):
+    """Wait until every process of `started` decodes (its .ready file), then SIGKILL process
+    `victim`: (its Popen, the monotonic time of the kill)."""
     ready = [out.with_suffix(".ready") for _, _, out, _ in started]
     end = time.monotonic() + DEADLINE_S
     while not all(r.exists() for r in ready) and time.monotonic() < end:
@@ -238,7 +234,17 @@ def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
     time.sleep(1.0)  # well inside the decode loop
     _, proc, _, _ = started[victim]
     os.kill(proc.pid, signal.SIGKILL)
-    killed = time.monotonic()
+    return proc, time.monotonic()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
+    """SIGKILL of one process while the leader decodes: the other exits within the bound with
+    one line naming the lost process and its address."""
+    artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
+    started = start_group(artifact, tmp_path, "--repeat", 100_000, "--layout", "f32")
+    proc, killed = kill_mid_decode(started, victim)
     survivor = 1 - victim
     codes = wait_all(started, deadline_s=FAILURE_BOUND_S + 30)
     took = time.monotonic() - killed
@@ -251,33 +257,22 @@ def test_a_process_killed_mid_run(artifacts, tmp_path, victim):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [2])
-def test_of_four_processes_the_one_killed_is_named(artifacts, tmp_path, victim):
-    """Four processes (tensor parallel, a quarter of the heads each); SIGKILL of a follower
+def test_of_four_processes_the_one_killed_is_named(artifacts, tmp_path):
+    """Four processes (tensor parallel, a quarter of the heads each); SIGKILL of follower 2
     while the leader decodes: the three survivors exit within the bound, each with one line
     naming it and its address (its beat in the coordinator's store stopped, the others' moved
     on). Process 0 is not a victim here: its service child outlives it by 10 s only, and a
-    survivor still blocked in a collective then is aborted by the runtime instead (seen once
-    under load)."""
+    survivor still blocked in a collective then is aborted by the runtime instead."""
     artifact = artifacts("kipp-synthetic/qwen3-tiny", "bf16")
     started = start_group(artifact, tmp_path, "--repeat", 100_000, "--layout", "f32",
                           processes=4)
-    ready = [out.with_suffix(".ready") for _, _, out, _ in started]
-    end = time.monotonic() + DEADLINE_S
-    while not all(r.exists() for r in ready) and time.monotonic() < end:
-        assert all(p.poll() is None for _, p, _, _ in started), logs(started)
-        time.sleep(0.2)
-    time.sleep(1.0)  # well inside the decode loop
-    _, proc, _, _ = started[victim]
-    os.kill(proc.pid, signal.SIGKILL)
-    killed = time.monotonic()
+    proc, killed = kill_mid_decode(started, 2)
     codes = wait_all(started, deadline_s=FAILURE_BOUND_S + 30)
     took = time.monotonic() - killed
-    assert codes == {i: -signal.SIGKILL if i == victim else 3 for i in range(4)}, logs(started)
-    where = "coordinator 127.0.0.1:" if victim == 0 else f"127.0.0.1 pid {proc.pid}"
-    for survivor in {0, 1, 2, 3} - {victim}:
+    assert codes == {0: 3, 1: 3, 2: -signal.SIGKILL, 3: 3}, logs(started)
+    for survivor in (0, 1, 3):
         [line] = broken_lines(started[survivor][3])
-        assert f"process {survivor} of 4: lost process {victim} ({where}" in line, line
+        assert f"process {survivor} of 4: lost process 2 (127.0.0.1 pid {proc.pid}" in line, line
     assert took < FAILURE_BOUND_S, took
 
 
