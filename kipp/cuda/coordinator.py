@@ -2,8 +2,9 @@
 
 Inside process 0, the service dies with it, and every other process's runtime client sees the
 service's socket close at once and aborts (a page of logs, before Kipp can name what was lost).
-Hosted here, it outlives a killed process 0 by GRACE_S: the survivors' next collective fails
-first, and each exits with Kipp's one line (kipp.cuda.distributed). An orderly shutdown stops it
+Hosted here, it outlives a killed process 0 by GRACE_S: the survivors' collectives fail (or
+another survivor's verdict reaches them through its key-value store) first, and each exits
+with Kipp's one line (kipp.cuda.distributed). An orderly shutdown stops it
 at once.
 
     service = coordinator.start(address, processes, heartbeat_timeout=60)  # as JAX's own

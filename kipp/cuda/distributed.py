@@ -199,6 +199,7 @@ class Link:
         self._stopped = False
         self._keepalive: threading.Thread | None = None
         self._running = False  # a follower running a step (its own compile is not silence)
+        self._doing = "idle"  # what the guarded action in flight is, for the failure line
 
     # -- the leader ---------------------------------------------------------------------------
 
@@ -295,7 +296,10 @@ class Link:
 
     def start_beat(self) -> None:
         """Advance this process's beat every BEAT_S (a daemon thread), so that of more than
-        two processes a survivor can tell which one was lost (lost_processes)."""
+        two processes a survivor can tell which one was lost (lost_processes). The same
+        thread watches for another survivor's verdict: a process whose collective has not
+        failed yet (gloo need not wake a wait on a live peer) exits with it all the same,
+        before process 0's service child is gone and the runtime aborts it."""
         client = _client()
         if client is None or self.processes <= 2:
             return
@@ -307,16 +311,21 @@ class Link:
                 with contextlib.suppress(Exception):  # a broken group: the guard reports it
                     client.key_value_set(f"kipp/beat/{self.process_id}", str(count),
                                          allow_overwrite=True)
+                if self._read("kipp/lost") and not self._stopped:
+                    self._broken(f"{self._doing} (another process saw it first)", None)
                 time.sleep(BEAT_S)
 
         threading.Thread(target=beat, daemon=True, name="kipp-distributed-beat").start()
 
     def _guard(self, what: str, action: Callable[[], object]):
+        self._doing = what
         try:
             return action()
         except Exception as e:  # a collective over a lost peer: JaxRuntimeError
             log.debug("distributed failure while %s", what, exc_info=True)
             self._broken(what, e)
+        finally:
+            self._doing = "idle"
 
     def _broken(self, what: str, error: Exception | None) -> None:
         lost = self.lost_processes()
@@ -464,9 +473,13 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+_exiting = threading.Lock()  # the first thread to see the failure writes the one line
+
+
 def _exit(line: str) -> None:
     """The group cannot go on (a tensor-parallel step needs every process): one line on
     stderr, then exit at once (JAX's runtime would abort later, with a page of logs)."""
+    _exiting.acquire()  # a second thread waits here until os._exit ends the process
     sys.stderr.write(f"kipp: distributed group broken: {line}\n")
     sys.stderr.flush()  # not logging.shutdown: it waits for a handler lock another thread may hold
     os._exit(EXIT_GROUP_BROKEN)
