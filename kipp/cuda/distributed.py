@@ -311,7 +311,7 @@ class Link:
                 with contextlib.suppress(Exception):  # a broken group: the guard reports it
                     client.key_value_set(f"kipp/beat/{self.process_id}", str(count),
                                          allow_overwrite=True)
-                if self._read("kipp/lost") and not self._stopped:
+                if self._verdict() and not self._stopped:
                     self._broken(f"{self._doing} (another process saw it first)", None)
                 time.sleep(BEAT_S)
 
@@ -346,10 +346,9 @@ class Link:
         cannot tell (the store is gone with process 0's service)."""
         if self.processes == 2:
             return [1 - self.process_id]
-        client = _client()
-        recorded = self._read("kipp/lost")
+        recorded = self._verdict()
         if recorded:
-            return [int(i) for i in recorded.split(",")]
+            return recorded
         peers = [i for i in range(self.processes) if i != self.process_id]
         before = self._beats(peers)
         if before is None:
@@ -359,23 +358,24 @@ class Link:
         if after is None:
             return []
         lost = [i for i in peers if after[i] is None or after[i] == before[i]]
+        client = _client()
         if lost and client is not None:
             with contextlib.suppress(Exception):  # another survivor recorded one first
                 client.key_value_set("kipp/lost", ",".join(map(str, lost)))
-            recorded = self._read("kipp/lost")
-            if recorded:
-                return [int(i) for i in recorded.split(",")]
+            return self._verdict() or lost
         return lost
 
-    def _read(self, key: str) -> str | None:
-        """A key's value, or None (never set, or the store cannot be read)."""
+    def _verdict(self) -> list[int]:
+        """The lost processes the first survivor recorded; [] when none is (or the store
+        cannot be read)."""
         client = _client()
         if client is None:
-            return None
+            return []
         try:
-            return client.key_value_try_get(key)
+            recorded = client.key_value_try_get("kipp/lost")
         except Exception:  # NOT_FOUND, or the service is gone
-            return None
+            return []
+        return [int(i) for i in recorded.split(",")] if recorded else []
 
     def _beats(self, peers: list[int]) -> dict[int, str | None] | None:
         """Each peer's beat (None: never set), or None when the store cannot be read."""
