@@ -93,7 +93,7 @@ def steps(npz) -> list[np.ndarray]:
                                                 if k.startswith("step") and k[4:].isdigit()]))]
 
 
-def compare_group(artifact, tmp_path, *extra):
+def assert_group_matches(artifact, tmp_path, *extra):
     """The gate: two processes x one device vs one process x two devices (bitwise) and vs one
     device (the jax backend's batched bound: the same sums, split; greedy tokens equal)."""
     from kipp import gates
@@ -168,21 +168,21 @@ def test_load_refuses_a_bad_distributed_request(options, problem, monkeypatch):
 @pytest.mark.slow
 def test_two_processes_equal_two_devices_bitwise(artifacts, tmp_path):
     # GQA group 5 (20 query heads per process), float32 projections: the Mesh path's layout
-    compare_group(artifacts("kipp-synthetic/qwen3-tiny-untied", "bf16"), tmp_path,
-                  "--layout", "f32")
+    assert_group_matches(artifacts("kipp-synthetic/qwen3-tiny-untied", "bf16"), tmp_path,
+                         "--layout", "f32")
 
 
 @pytest.mark.slow
 def test_two_processes_packed_planes(artifacts, tmp_path):
     # q8_0 planes as stored: rows split for Q/K/V/gate/up, whole 32-weight groups for O/down
-    compare_group(artifacts("kipp-synthetic/qwen3-tiny", "q8_0"), tmp_path,
-                  "--layout", "device")
+    assert_group_matches(artifacts("kipp-synthetic/qwen3-tiny", "q8_0"), tmp_path,
+                         "--layout", "device")
 
 
 @pytest.mark.slow
 def test_two_processes_qwen3_06b_shape(artifacts, tmp_path):
-    compare_group(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
-                  "--layout", "device", "--prompt-len", 24, "--decode-steps", 2)
+    assert_group_matches(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
+                         "--layout", "device", "--prompt-len", 24, "--decode-steps", 2)
 
 
 @pytest.mark.slow
@@ -194,13 +194,15 @@ def test_two_pipeline_stages_equal_two_devices_bitwise(artifacts, tmp_path, chec
                                                        scheme, layout):
     # each process holds half the layers and its half of the slab; the hidden state is
     # handed on with ppermute
-    compare_group(artifacts(checkpoint_id, scheme), tmp_path, "--layout", layout, "--pipeline")
+    assert_group_matches(artifacts(checkpoint_id, scheme), tmp_path, "--layout", layout,
+                         "--pipeline")
 
 
 @pytest.mark.slow
 def test_two_pipeline_stages_qwen3_06b_shape(artifacts, tmp_path):
-    compare_group(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
-                  "--layout", "device", "--prompt-len", 24, "--decode-steps", 2, "--pipeline")
+    assert_group_matches(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
+                         "--layout", "device", "--prompt-len", 24, "--decode-steps", 2,
+                         "--pipeline")
 
 
 # -- failure: never a hang ------------------------------------------------------------------------

@@ -312,7 +312,7 @@ def test_the_kernel_path_runs_at_the_shard_shapes(artifacts, streams):
 
 # -- two ranks as one model ----------------------------------------------------------------------
 
-def compare_group(artifact, tmp_path, parallel, prompt_len=20, decode_steps=3):
+def assert_group_matches(artifact, tmp_path, parallel, prompt_len=20, decode_steps=3):
     """Two ranks against their emulation (bitwise) and the unsharded backend (the gate)."""
     started, dump = start_group(artifact, tmp_path, "--parallel", parallel, "--prompt-len",
                                 prompt_len, "--decode-steps", decode_steps)
@@ -341,14 +341,14 @@ def compare_group(artifact, tmp_path, parallel, prompt_len=20, decode_steps=3):
                                              ("tensor", "q8_0")])
 def test_two_ranks_equal_their_emulation_bitwise(artifacts, tmp_path, streams, parallel,
                                                  scheme):
-    compare_group(artifacts(TINY, scheme), tmp_path, parallel)
+    assert_group_matches(artifacts(TINY, scheme), tmp_path, parallel)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tensor", "pipeline"])
 def test_two_ranks_qwen3_06b_shape(artifacts, tmp_path, streams, parallel):
-    compare_group(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path, parallel,
-                  prompt_len=12, decode_steps=2)
+    assert_group_matches(artifacts("kipp-synthetic/qwen3-0.6b-shape", "bf16"), tmp_path,
+                         parallel, prompt_len=12, decode_steps=2)
 
 
 # -- failure: never a hang ------------------------------------------------------------------------
