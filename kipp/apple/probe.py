@@ -2,9 +2,10 @@
 on a small input against the twin that would replace it (kipp.probe runs and judges them).
 
 Variants: the decode matvec and the prefill matmul in the artifact's weight format and in BF16
-(the head), and decode attention for the KV scheme over the KV heads this process holds. Inputs are seeded and small (64 x 256
-weights quantized by kipp.formats.quant; 3 and 40 tokens: a partial 32-token tile past a full
-one; two sequences of 40 and 9 positions over a scrambled block table). The kernels are reached
+(the head), and decode attention for the KV scheme over the KV heads this process holds.
+Inputs are seeded and small (64 x 256 weights quantized by kipp.formats.quant; 3 and 40
+tokens: a partial 32-token tile past a full one; two sequences of 40 and 9 positions over a
+scrambled block table). The kernels are reached
 the way the model reaches them, with the backend's kernel runner (kipp.apple.metal), so
 whatever runs the Metal source there is what gets probed; the twins are the ones the backend
 would run instead (`linear.planes_twin`, `attention.attention_twin`).
