@@ -84,12 +84,15 @@ def _err(got, x, dense):
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 37, 64), (2, 16, 96), (3, 21, 128),
                                    (4, 64, 256), (5, 19, 64), (8, 200, 512), (9, 33, 96),
                                    (17, 70, 160), (64, 48, 1024), (13, 300, 256),
-                                   (10, 40, 4096), (1, 256, 4096), (40, 130, 3072)])
+                                   (10, 40, 4096), (1, 256, 4096), (40, 130, 3072),
+                                   (2, 24, 4160), (4, 50, 2080), (8, 45, 1056)])
 def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
     """Row counts on every tile (1..8 rows decoded into registers, more through the scratch
     in tiles of up to 6), W row counts leaving partial tiles and units (a long round's unit
-    is as many W rows as fill the scratch: 16 to 128 here), one to 128 blocks a row; in the
-    AMX build's BF16 dot, partial and odd tiles of 16 x rows and of 16 W rows."""
+    is as many W rows as fill the scratch: 16 to 128 here), one to 130 blocks a row; a decode
+    round's rows in spans of K (2 rows at 130 blocks, 4 at 65, 8 at 33: the last span one or
+    two blocks); in the AMX build's BF16 dot, partial and odd tiles of 16 x rows and of 16 W
+    rows."""
     x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
     got = jax.jit(stored_matmul.matmul)(x, w)
     twin = jax.jit(twin_matmul.linear)(x, jax.tree.map(jnp.asarray, w))  # what XLA runs
@@ -100,10 +103,12 @@ def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_each_row_is_bitwise_the_same_alone_or_batched(scheme):
+@pytest.mark.parametrize("k", [192, 2080])
+def test_each_row_is_bitwise_the_same_alone_or_batched(scheme, k):
     """Every row count a round makes (registers up to 8 rows, the scratch past them): the same
-    FMA chains and lane tree, so the same bits."""
-    x, w, _ = _case(11, scheme, 20, 300, 192)  # 300 W rows: a long round's units split them
+    FMA chains and lane tree, so the same bits. At 65 blocks a row, rounds of 4 to 8 rows run
+    in spans of K (a chain parked between spans and picked up again), fewer rows whole."""
+    x, w, _ = _case(11, scheme, 20, 300, k)  # 300 W rows: a long round's units split them
     call = jax.jit(stored_matmul.matmul)
     alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20):
@@ -386,8 +391,8 @@ def test_the_fallback_paths_give_the_same_bits(tmp_path_factory, isa):
         tiles = loaded is cpu_matmul.Isa.AMX and scheme == "bf16" and dot is stored_matmul.Dot.F32
         if tiles and isa == "avx512_vnni":
             continue  # the AMX build's tile dot is the reference's own numerics, not these
-        for m in (1, 3, 8, 13):
-            x, w, _ = _case(m + 40, scheme, m, 37, 160)
+        for m, k in ((1, 160), (3, 160), (8, 160), (13, 160), (4, 2080), (8, 2080)):
+            x, w, _ = _case(m + 40, scheme, m, 37, k)  # at 2080, spans of K (not in AVX2)
             fallback = _call_build(suffix, scheme, dot, x, w)
             if tiles:
                 reference = _call_build(_register("avx512_vnni", directory), scheme, dot, x, w)

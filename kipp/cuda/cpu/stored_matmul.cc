@@ -11,8 +11,9 @@
 // in the build for CPUs with AMX tiles, BF16 weights meet x on the tile unit (stored_amx.h,
 // its own numerics, described there).
 // A decode round (up to 8 rows of x) decodes each block into registers and multiplies all its
-// rows against it, W tiles of 1 or 2 rows (BF16, q8_0: one sequential stream) or up to 4 (the
-// 4-bit tables); a longer round's unit is as many W rows as fill an L2-sized float32 scratch
+// rows against it, W tiles of 1 or 2 rows (BF16, q8_0) or up to 4 (the 4-bit tables), over
+// spans of K whose x rows stay in L1, with the W bytes the unit reads next prefetched into L2;
+// a longer round's unit is as many W rows as fill an L2-sized float32 scratch
 // (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows.
 // Either way each x vector is held in a register across its tile's W rows (loads, not FMAs,
 // bounded the narrower tiles) and each stored byte is read from memory once.
@@ -123,6 +124,8 @@ inline float Half(uint16_t h) {
 
 enum class Format { kBf16, kQ8_0, kScale4, kAffine4 };
 
+constexpr int64_t kScaleRun = 16;  // blocks whose 4-bit scales a decode tile converts at once
+
 #if defined(__AVX512F__)
 // *h as float32 in every lane: one broadcast and one conversion (Half's exact value).
 inline __m512 HalfBroadcast(const uint16_t* h) {
@@ -157,7 +160,6 @@ inline void DecodeNibbles(const uint8_t* q, __m512 scale, __m512 low, v16* lo, v
 // float32 in one instruction per row (Half's exact values): each block's table multiply then
 // broadcasts its scale from memory, where a broadcast and a conversion per block took two of
 // the shuffles that bound the 4-bit tiles.
-constexpr int64_t kScaleRun = 16;
 inline void HalfRun(const uint16_t* h, int64_t count, float* out) {
   const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
   _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, h)));
@@ -236,24 +238,33 @@ void DecodeRow(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, i
   }
 }
 
-// A decode round's tiles read W rows n0 .. n0 + C - 1 side by side: C short streams (2 KB a row
-// at K = 1024 in BF16) interleaved, which the hardware prefetcher follows poorly. The tile's
-// rows are one contiguous span of each plane, and so is the tile kPrefetchTiles tiles ahead:
-// each block step asks for the next C blocks' worth of that span in address order, so the
-// memory sees one sequential stream per thread. A prefetch past the plane's end does not fault.
+// A decode round's tiles read W rows n0 .. n0 + C - 1 side by side, in spans of K (SpanBlocks):
+// short interleaved streams, which the hardware prefetcher follows poorly. So each block step
+// asks for the same block of the tile kPrefetchTiles tiles ahead, which the unit reads next in
+// the same span (past the unit's last tile: the next unit's first tiles, read after this
+// unit's spans). The lines go to L2, not L1: a prefetch into L1 holds one of L1's few miss
+// buffers until its line arrives, and a round of several x rows, busy with its FMAs, then left
+// the stream short of them (a 4-row round took 1.4x one row's time at K = 1024; with the lines
+// sent to L2, about the same). A prefetch past a plane's end does not fault.
 constexpr int kPrefetchTiles = 4;
 
-// Block step b of the tile whose first W row is `ahead`, C rows wide: its share of that tile's
-// span, C blocks of weight bytes (lines 64 bytes apart from the share's first byte: a constant
-// count, no alignment arithmetic in the compute-bound 4-bit tiles). The scale planes, a few
-// bytes a step, are one slow stream the hardware prefetcher keeps up with.
+// Block step b of the tile whose first W row is `ahead`, C rows wide: each row's line holding
+// block b when the block starts one (the planes' rows start on a line at the shapes Kipp runs;
+// elsewhere a block's tail is fetched with the next line's), its weights and its scales.
 template <Format F, int C>
-inline void PrefetchAhead(const void* w, int64_t ahead, int64_t b, int64_t blocks) {
+inline void PrefetchAhead(const void* w, const uint16_t* d, const uint16_t* m, int64_t ahead,
+                          int64_t b, int64_t blocks) {
   constexpr int64_t kBytes = F == Format::kBf16 ? 64 : F == Format::kQ8_0 ? 32 : 16;
-  constexpr int kLines = (C * kBytes + 63) / 64;
-  const int64_t at = ahead * blocks + C * b;  // in blocks, from the plane's start
-  const char* bytes = static_cast<const char*>(w) + at * kBytes;
-  for (int i = 0; i < kLines; ++i) __builtin_prefetch(bytes + 64 * i);
+  constexpr int64_t kScales = 64 / sizeof(uint16_t);  // blocks per line of d or m
+  for (int c = 0; c < C; ++c) {
+    const int64_t at = (ahead + c) * blocks + b;  // in blocks, from the plane's start
+    const char* bytes = static_cast<const char*>(w) + at * kBytes;
+    if (b % (64 / kBytes) == 0) __builtin_prefetch(bytes, 0, 2);
+    if (F != Format::kBf16 && b % kScales == 0) {
+      __builtin_prefetch(d + at, 0, 2);
+      if (F == Format::kAffine4) __builtin_prefetch(m + at, 0, 2);
+    }
+  }
 }
 
 // Whether a block's two halves come out of one decode (the 4-bit table), so both are kept.
@@ -263,23 +274,27 @@ constexpr bool kSharedHalves = F == Format::kScale4 || F == Format::kAffine4;
 // R rows of x (a decode round) against W rows n0 .. n0 + C - 1 decoded block by block into
 // registers, half a block (16 weights) at a time: the same FMA chains as Tile over a decoded
 // scratch, without the scratch. Each x vector is held in a register across the tile's C W rows.
+// The tile runs blocks [b0, b1) of the row (a span of K, kept in L1 across a unit's tiles; see
+// SpanBlocks): its chains start from `carry` (R x C vectors) unless b0 is the first block, and
+// end in `carry` unless b1 is past the last, where y takes their sums. A chain parked in memory
+// and picked up again is the same chain: spans change no output's bits.
 template <Format F, int R, int C>
 void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, const uint16_t* m,
-               int64_t n0, float* y, int64_t ldy) {
+               int64_t n0, int64_t b0, int64_t b1, v16* carry, float* y, int64_t ldy) {
   const int64_t blocks = k / kBlock;
   v16 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
+    for (int c = 0; c < C; ++c) acc[r][c] = b0 == 0 ? Broadcast16(0.0f) : carry[r * C + c];
 #if defined(KIPP_SCALE_RUNS)
   // the scale runs pay in the narrow rounds, where the tables' shuffles bound the tile; a
   // wider round's accumulators leave no registers for them
   constexpr bool kRuns = kSharedHalves<F> && R <= 2;
   float ds[kRuns ? C : 1][kScaleRun], ms[kRuns && F == Format::kAffine4 ? C : 1][kScaleRun];
 #endif
-  for (int64_t b = 0; b < blocks; ++b) {
-    PrefetchAhead<F, C>(w, n0 + kPrefetchTiles * C, b, blocks);
+  for (int64_t b = b0; b < b1; ++b) {
+    PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
 #if defined(KIPP_SCALE_RUNS)
-    if (kRuns && b % kScaleRun == 0) {
+    if (kRuns && b % kScaleRun == 0) {  // spans start at multiples of kScaleRun blocks
       const int64_t run = std::min(kScaleRun, blocks - b);
       for (int c = 0; c < C; ++c) {
         HalfRun(d + (n0 + c) * blocks + b, run, ds[c]);
@@ -317,7 +332,13 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + n0 + c] = Sum16(acc[r][c]);
+    for (int c = 0; c < C; ++c) {
+      if (b1 < blocks) {
+        carry[r * C + c] = acc[r][c];
+      } else {
+        y[r * ldy + n0 + c] = Sum16(acc[r][c]);
+      }
+    }
 }
 
 // A decode round (up to kFusedRows rows) runs all its x rows against each tile of W rows, so
@@ -331,34 +352,48 @@ template <Format F>
 constexpr int FusedWidth(int rows) {
   return kSharedHalves<F> ? std::min(4, 30 / (rows + 2)) : 2;
 }
-// W rows a decode round's tiles take. BF16 and q8_0 take one W row at a time for up to
-// kStreamRows x rows: each thread then reads one sequential stream, which the hardware
-// prefetcher follows, where rows side by side are short interleaved streams it does not (a
-// row's decode is cheap next to its bytes). A round of more x rows takes two W rows, whose FMAs
-// would otherwise wait on each chain's latency. The 4-bit tiles, bound by their table decode,
-// take FusedWidth. Which W rows share a tile changes no output's chain.
+// W rows a decode round's tiles take. BF16 takes one W row at a time for up to kStreamRows x
+// rows (a row's decode is cheap next to its bytes; two W rows side by side were no faster); a
+// round of more x rows takes two, whose FMAs would otherwise wait on each chain's latency.
+// q8_0, whose decode costs more, takes two at every row count (a one-row round 5-10% faster
+// than one W row). The 4-bit tiles, bound by their table decode, take FusedWidth. Which W rows
+// share a tile changes no output's chain.
 constexpr int64_t kStreamRows = 4;
 template <Format F>
 constexpr int64_t DecodeWidth(int64_t rows) {
-  return !kSharedHalves<F> && rows <= kStreamRows ? 1 : FusedWidth<F>(rows);
+  return F == Format::kBf16 && rows <= kStreamRows ? 1 : FusedWidth<F>(rows);
 }
-// A decode round's tile as the tables (this one and stored_avx2.h's) hold it.
+// Blocks of K a decode round's tiles take at a time. A round whose x rows fit L1 (kL1Bytes)
+// takes whole rows. A wider one takes spans of x of at most kSpanBytes, so a span stays in L1
+// across the unit's W rows: at K = 3072, four whole rows of x are 48 KB, and each W row read
+// them again from L2 (a 4-row round took twice one row's time there). Splitting rows that do
+// fit costs time instead (8 rows at K = 1024: 1.2x). A span is a multiple of kScaleRun blocks.
+constexpr int64_t kL1Bytes = 32 << 10, kSpanBytes = 16 << 10;
+inline int64_t SpanBlocks(int64_t rows, int64_t blocks) {
+  const int64_t block_bytes = rows * kBlock * static_cast<int64_t>(sizeof(float));
+  if (blocks * block_bytes <= kL1Bytes) return blocks;
+  return std::max(kScaleRun, kSpanBytes / block_bytes / kScaleRun * kScaleRun);
+}
+
+// A decode round's tile as the tables hold it: stored_avx2.h's (whole rows), this file's (spans).
 using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
                          int64_t, float*, int64_t);
+using SpanFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
+                        int64_t, int64_t, int64_t, v16*, float*, int64_t);
 // The tiles a round uses, R x rows by C W rows (nullptr for shapes no round makes).
 template <Format F, int R, int C>
-constexpr FusedFn FusedPick() {
+constexpr SpanFn FusedPick() {
   if constexpr (C <= FusedWidth<F>(R)) return FusedTile<F, R, C>;
   return nullptr;
 }
 template <Format F, int R>
 struct FusedRow {
-  static constexpr FusedFn kTiles[kFusedCols] = {
+  static constexpr SpanFn kTiles[kFusedCols] = {
       FusedPick<F, R, 1>(), FusedPick<F, R, 2>(), FusedPick<F, R, 3>(), FusedPick<F, R, 4>()};
 };
 template <Format F>
 struct Fused {
-  static constexpr const FusedFn* kTiles[kFusedRows] = {
+  static constexpr const SpanFn* kTiles[kFusedRows] = {
       FusedRow<F, 1>::kTiles, FusedRow<F, 2>::kTiles, FusedRow<F, 3>::kTiles,
       FusedRow<F, 4>::kTiles, FusedRow<F, 5>::kTiles, FusedRow<F, 6>::kTiles,
       FusedRow<F, 7>::kTiles, FusedRow<F, 8>::kTiles};
@@ -426,10 +461,16 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
   const int64_t first = u * group;
   const int64_t count = std::min(group, n - first);
   if (rows <= kFusedRows) {  // a decode round: each block decoded into registers
-    const int64_t width = DecodeWidth<F>(rows);
-    for (int64_t c = 0; c < count; c += width) {
-      const int64_t tc = std::min(width, count - c);
-      Fused<F>::kTiles[rows - 1][tc - 1](x, k, w, d, m, first + c, y, n);
+    const int64_t width = DecodeWidth<F>(rows), blocks = k / kBlock;
+    const int64_t span = SpanBlocks(rows, blocks);
+    alignas(64) v16 carry[kGroup * kFusedRows];  // tile c's chains at carry + c * rows
+    for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+      const int64_t b1 = std::min(blocks, b0 + span);
+      for (int64_t c = 0; c < count; c += width) {
+        const int64_t tc = std::min(width, count - c);
+        Fused<F>::kTiles[rows - 1][tc - 1](x, k, w, d, m, first + c, b0, b1, carry + c * rows,
+                                           y, n);
+      }
     }
     return;
   }
