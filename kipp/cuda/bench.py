@@ -368,7 +368,8 @@ def main(argv=None) -> int:
                         help="GB/s of the stored CPU matmul at one row, 0.6B-shape projections")
     parser.add_argument("--step-matmuls", action="store_true",
                         help="ms of the stored CPU matmul over one 0.6B-shape step's projections "
-                        "at 1 and 8 rows, per scheme")
+                        "at --rows rows, per scheme")
+    parser.add_argument("--rows", default="1,8", help="--step-matmuls' row counts, e.g. 1,2,4,8")
     parser.add_argument("--compare", help="weight layouts to time side by side, e.g. f32,panels")
     parser.add_argument("--rounds", type=int, default=3, help="--compare's measured rounds")
     args = parser.parse_args(argv)
@@ -383,7 +384,7 @@ def main(argv=None) -> int:
         print(matvec())
         return 0
     if args.step_matmuls:
-        print(step_matmuls())
+        print(step_matmuls(m_values=tuple(int(m) for m in args.rows.split(","))))
         return 0
     if not args.artifact:
         parser.error("an artifact path is needed (or --layouts)")
