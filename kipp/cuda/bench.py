@@ -352,6 +352,42 @@ def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(
     return "\n".join(lines)
 
 
+def step_attention(contexts=(160, 1000), sequences=(1, 8), layers: int = 28,
+                   repeats: int = 9) -> str:
+    """Milliseconds of Kipp's CPU decode attention over one step's `layers` layers: S
+    sequences, one query each at a context of C positions, 16 query heads over the 8 KV heads
+    of a paged BF16 slab (random bits, never zeros) whose blocks are each sequence's own, so a
+    step streams S x C x 28 x 4 KB of K and V (median and range of `repeats`)."""
+    from kipp.cuda.cpu import attention
+
+    ok, why = attention.available()
+    if not ok:
+        return f"Kipp's CPU attention is unavailable: {why}"
+    rng = np.random.default_rng(0)
+    lines = [f"decode attention over {layers} layers, ms (median [min-max] of {repeats})"]
+    for s in sequences:
+        per = -(-max(contexts) // 32)  # blocks a sequence holds
+        shape = (layers, s * per, 32, KV_HEADS, HEAD_DIM)
+        k, v = (jnp.asarray(rng.integers(0x3c00, 0x3f80, shape, dtype=np.uint16))
+                for _ in range(2))
+        tables = jnp.asarray(np.arange(s * per, dtype=np.int32).reshape(s, per))
+        q = jnp.asarray(rng.standard_normal((s, 2 * KV_HEADS, HEAD_DIM)), jnp.float32)
+        cells = []
+        for c in contexts:
+            pos = jnp.full((s,), c - 1, jnp.int32)
+
+            def body(i, q, pos=pos):  # each layer's output feeds the next query: none is dropped
+                return q + 1e-30 * attention.decode_attention(q, k, v, pos, tables, layer=i)
+
+            call = jax.jit(lambda q, body=body: jax.lax.fori_loop(0, layers, body, q))
+            jax.block_until_ready(call(q))
+            times = _timed(lambda call=call: jax.block_until_ready(call(q)), repeats)
+            ms = [t * 1e3 for t in times]
+            cells.append(f"C={c}: {statistics.median(ms):6.2f} [{min(ms):.2f}-{max(ms):.2f}]")
+        lines.append(f"  S={s}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", nargs="?")
@@ -370,6 +406,9 @@ def main(argv=None) -> int:
                         help="ms of the stored CPU matmul over one 0.6B-shape step's projections "
                         "at --rows rows, per scheme")
     parser.add_argument("--rows", default="1,8", help="--step-matmuls' row counts, e.g. 1,2,4,8")
+    parser.add_argument("--step-attention", action="store_true",
+                        help="ms of Kipp's CPU decode attention over one step's 28 layers, 1 and 8 "
+                        "sequences at 160 and 1,000 positions")
     parser.add_argument("--compare", help="weight layouts to time side by side, e.g. f32,panels")
     parser.add_argument("--rounds", type=int, default=3, help="--compare's measured rounds")
     args = parser.parse_args(argv)
@@ -382,6 +421,9 @@ def main(argv=None) -> int:
         return 0
     if args.matvec:
         print(matvec())
+        return 0
+    if args.step_attention:
+        print(step_attention())
         return 0
     if args.step_matmuls:
         print(step_matmuls(m_values=tuple(int(m) for m in args.rows.split(","))))
