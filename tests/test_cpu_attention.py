@@ -86,17 +86,21 @@ def test_a_stacked_slab_is_read_at_its_layer(queries):
 
 
 @needs_kernel
-def test_a_sequence_gets_the_same_bits_alone_or_in_a_batch():
+@pytest.mark.parametrize("heads", [16, 40])
+def test_a_sequence_gets_the_same_bits_alone_or_in_a_batch(heads):
+    """Four sequences read each position's 8 KV heads in one unit, two read 4 at a time, and
+    one alone runs one KV head a unit (on two threads or more): the same bits each way."""
     rng = np.random.default_rng(5)
     k, v, _, _ = _slab(rng, 16)
     pos = np.array([70, 3, 127, 31], np.int32)
     tables = np.stack([rng.permutation(16)[:4] for _ in pos]).astype(np.int32)
-    q = rng.standard_normal((4, 16, 128)).astype(np.float32)
+    q = rng.standard_normal((4, heads, 128)).astype(np.float32)
     call = jax.jit(cpu_attention.decode_attention)
     together = np.asarray(call(q, k, v, pos, tables))
-    for s in range(4):
-        alone = np.asarray(call(q[s:s + 1], k, v, pos[s:s + 1], tables[s:s + 1]))
-        assert np.array_equal(alone[0], together[s]), s
+    for width in (1, 2):
+        for s in range(0, 4, width):
+            part = np.asarray(call(q[s:s + width], k, v, pos[s:s + width], tables[s:s + width]))
+            assert np.array_equal(part, together[s:s + width]), (width, s)
 
 
 @needs_kernel
@@ -178,3 +182,13 @@ def test_the_jax_backend_decodes_through_it(artifacts, monkeypatch):
     # the prefill rounds too: every row of a 40-token chunk against the twin's
     a, b = (x.eval([EvalItem(prompt, 0, (3, 1), logits_rows=40)])[0] for x in (on, off))
     assert gates.nmse(a, b) <= 1e-11 and np.array_equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_kernel
+def test_the_step_attention_benchmark_reports_every_sequence_count_and_context():
+    from kipp.cuda.bench import step_attention
+
+    text = step_attention(contexts=(40, 70), sequences=(1, 4), layers=2, repeats=1)
+    lines = text.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("  S=1") and lines[2].startswith("  S=4")
+    assert all("C=40:" in line and "C=70:" in line for line in lines[1:])

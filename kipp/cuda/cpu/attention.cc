@@ -17,9 +17,12 @@
 // attention cost more than its matmuls. Here each unit of work, one sequence, one KV head and
 // up to 32 queries, widens the K and V rows its queries see, a chunk at a time, once for all
 // the query heads that share them: scores, then each query's softmax, then the weighted sum of
-// V rows. Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even
-// and odd vectors) then a fixed pairwise sum, so a query's result depends neither on the other
-// queries and sequences in the round nor on the thread split.
+// V rows. A decode round with enough sequences to fill the threads takes a sequence and 4 or 8
+// KV heads per unit instead (DecodeUnit), reading each position's heads as one span. Float32
+// throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even and odd vectors,
+// one 16-wide chain of both in AVX-512 builds) then a fixed pairwise sum, so a query's result
+// depends neither on the other queries and sequences in the round, nor on the unit, nor on the
+// thread split.
 #include <string>
 #include <vector>
 
@@ -41,6 +44,11 @@ constexpr int64_t kKvHeads = 8;
 constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a prefill chunk)
 constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
 constexpr int64_t kAhead = 16;      // rows prefetched ahead of the one being widened
+constexpr int64_t kUnitsPerThread = 2;  // a decode round's units per thread, at least
+// The fewest KV heads a decode unit reads a position's span of (DecodeUnit); a round with too
+// few sequences to fill the threads that way (one sequence on two threads: 2 heads, 512 bytes
+// every 2 KB) runs Unit's one head per unit, whose chunks of rows ran 1.4x faster there.
+constexpr int64_t kSpanHeads = 4;
 constexpr int64_t kRowBytes = kHeadDim * sizeof(uint16_t);
 
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
@@ -88,7 +96,7 @@ struct Problem {
     for (int64_t p = first; p < end; ++p) {
       if (p + kAhead < limit) {
         const char* ahead = reinterpret_cast<const char*>(Row(slab, s, p + kAhead, g));
-        for (int64_t line = 0; line < kRowBytes; line += 64) __builtin_prefetch(ahead + line);
+        for (int64_t line = 0; line < kRowBytes; line += 64) __builtin_prefetch(ahead + line, 0, 2);
       }
       const uint16_t* row = Row(slab, s, p, g);
       for (int64_t j = 0; j < kVectors; ++j) Store(into + (p - first) * kHeadDim + 8 * j,
@@ -174,6 +182,94 @@ struct Problem {
           Store(o + h * kHeadDim + 8 * j, acc[(t * group + h) * kVectors + j]);
     }
   }
+
+  // A decode round's unit: sequence s's one query (queries == 1), KV heads [g0, g0 + count).
+  // Positions in order, each position's `count` heads (one contiguous span of its row: the
+  // heads of a position sit side by side) widened at once for all their query heads, so the
+  // unit reads one stream where a unit per KV head read 256 bytes every 2 KB. Each query head's
+  // arithmetic is Unit's: the same dot chains, softmax and position-ordered sums, so the same
+  // bits.
+  void DecodeUnit(int64_t s, int64_t g0, int64_t count, std::vector<float>& scores,
+                  std::vector<v8>& acc, float* row) const {
+    const int64_t limit = table_width * kBlock, width = count * kHeadDim;
+    const int64_t reach = std::min<int64_t>(pos[s], limit - 1) + 1;  // 0: a padding query
+    const int64_t rows = count * group, first_head = g0 * group;
+    const float* query = q + (s * heads + first_head) * kHeadDim;
+    scores.resize(rows * std::max<int64_t>(reach, 1));
+    acc.assign(rows * kVectors, v8{});
+    auto widen = [&](const uint16_t* slab, int64_t p) {  // position p's heads into `row`
+      if (p + kAhead < limit) {
+        const char* ahead = reinterpret_cast<const char*>(Row(slab, s, p + kAhead, g0));
+        for (int64_t line = 0; line < count * kRowBytes; line += 64) {
+          __builtin_prefetch(ahead + line, 0, 2);
+        }
+      }
+      const uint16_t* bits = Row(slab, s, p, g0);
+#if defined(__AVX512F__)
+      for (int64_t j = 0; j < width; j += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
+        _mm512_storeu_si512(row + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+#else
+      for (int64_t j = 0; j < width / 8; ++j) Store(row + 8 * j, Widen(bits + 8 * j));
+#endif
+    };
+    for (int64_t p = 0; p < reach; ++p) {
+      widen(k, p);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qh = query + r * kHeadDim;
+        const float* key = row + (r / group) * kHeadDim;
+        v8 even = v8{}, odd = v8{};
+#if defined(__AVX512F__)
+        // the even chain in the low 8 lanes, the odd one in the high 8: the same FMAs
+        __m512 both = _mm512_setzero_ps();
+        for (int64_t j = 0; j < kVectors; j += 2) {
+          both = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 8 * j), _mm512_loadu_ps(key + 8 * j), both);
+        }
+        even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
+        odd = reinterpret_cast<v8>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both),
+                                                                            1)));
+#else
+        for (int64_t j = 0; j < kVectors; j += 2) {
+          even = Fma(Load(qh + 8 * j), Load(key + 8 * j), even);
+          odd = Fma(Load(qh + 8 * j + 8), Load(key + 8 * j + 8), odd);
+        }
+#endif
+        scores[r * reach + p] = Sum(even + odd) * scale;
+      }
+    }
+    for (int64_t r = 0; r < rows && reach > 0; ++r) {  // softmax, as Unit's
+      float* sh = scores.data() + r * reach;
+      const float top = *std::max_element(sh, sh + reach);
+      float total = 0.0f;
+      for (int64_t p = 0; p < reach; ++p) {
+        sh[p] = std::exp(sh[p] - top);
+        total += sh[p];
+      }
+      for (int64_t p = 0; p < reach; ++p) sh[p] /= total;
+    }
+    for (int64_t p = 0; p < reach; ++p) {
+      widen(v, p);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* value = row + (r / group) * kHeadDim;
+        v8* a = acc.data() + r * kVectors;
+#if defined(__AVX512F__)  // two of the 8-lane sums per instruction, each lane's FMAs the same
+        float* af = reinterpret_cast<float*>(a);
+        const __m512 w = _mm512_set1_ps(scores[r * reach + p]);
+        for (int64_t j = 0; j < kVectors; j += 2) {
+          _mm512_storeu_ps(af + 8 * j, _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 8 * j),
+                                                       _mm512_loadu_ps(af + 8 * j)));
+        }
+#else
+        const v8 w = Broadcast(scores[r * reach + p]);
+        for (int64_t j = 0; j < kVectors; ++j) a[j] = Fma(w, Load(value + 8 * j), a[j]);
+#endif
+      }
+    }
+    float* o = out + (s * heads + first_head) * kHeadDim;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < kVectors; ++j) Store(o + r * kHeadDim + 8 * j, acc[r * kVectors + j]);
+  }
 };
 
 // The shared checks and the parallel loop: q [S, Tq, H, 128] (`dims` its dimensions, with
@@ -205,6 +301,19 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, ffi::Span<const int64_t>
                   v.typed_data() + index * layer_size, pos.typed_data(), tables.typed_data(),
                   out->typed_data(), queries, heads, heads / kKvHeads, kd[1], td[1],
                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(kHeadDim)))};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t pieces = 1;  // a decode round's units per sequence: enough to keep every thread busy
+  while (pieces < kKvHeads && sequences * pieces < kUnitsPerThread * threads) pieces *= 2;
+  const int64_t count = kKvHeads / pieces;
+  if (queries == 1 && count >= kSpanHeads) {  // a decode round of units of a sequence's KV heads
+    kipp::ParallelFor(pool, sequences * pieces, 1, [&problem, pieces, count](int64_t u) {
+      thread_local std::vector<float> scores;
+      thread_local std::vector<v8> acc;
+      thread_local std::vector<float> row(kKvHeads * kHeadDim);
+      problem.DecodeUnit(u / pieces, (u % pieces) * count, count, scores, acc, row.data());
+    });
+    return ffi::Error::Success();
+  }
   const int64_t tiles = (queries + kQueryTile - 1) / kQueryTile;
   kipp::ParallelFor(pool, sequences * kKvHeads * tiles, 1, [&problem, tiles, queries](int64_t u) {
     thread_local std::vector<float> scores;
