@@ -68,6 +68,17 @@ inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+// scores[0, n) -> their softmax, in place: one code for every unit, so the same bits.
+inline void Softmax(float* scores, int64_t n) {
+  const float top = *std::max_element(scores, scores + n);
+  float total = 0.0f;
+  for (int64_t p = 0; p < n; ++p) {
+    scores[p] = std::exp(scores[p] - top);
+    total += scores[p];
+  }
+  for (int64_t p = 0; p < n; ++p) scores[p] /= total;
+}
+
 struct Problem {
   const float* q;         // [S, Tq, H, 128]
   const uint16_t* k;      // layer's slab [blocks, 32, 8, 128]
@@ -145,15 +156,7 @@ struct Problem {
     }
     for (int64_t t = 0; t < tiles; ++t) {  // softmax over each query's positions, in place
       for (int64_t h = 0; h < group && reach[t] > 0; ++h) {
-        float* sh = scores.data() + (t * group + h) * longest;
-        const int64_t n = reach[t];
-        const float top = *std::max_element(sh, sh + n);
-        float total = 0.0f;
-        for (int64_t p = 0; p < n; ++p) {
-          sh[p] = std::exp(sh[p] - top);
-          total += sh[p];
-        }
-        for (int64_t p = 0; p < n; ++p) sh[p] /= total;
+        Softmax(scores.data() + (t * group + h) * longest, reach[t]);
       }
     }
     for (int64_t first = 0; first < longest; first += kChunk) {
@@ -238,16 +241,7 @@ struct Problem {
         scores[r * reach + p] = Sum(even + odd) * scale;
       }
     }
-    for (int64_t r = 0; r < rows && reach > 0; ++r) {  // softmax, as Unit's
-      float* sh = scores.data() + r * reach;
-      const float top = *std::max_element(sh, sh + reach);
-      float total = 0.0f;
-      for (int64_t p = 0; p < reach; ++p) {
-        sh[p] = std::exp(sh[p] - top);
-        total += sh[p];
-      }
-      for (int64_t p = 0; p < reach; ++p) sh[p] /= total;
-    }
+    for (int64_t r = 0; r < rows && reach > 0; ++r) Softmax(scores.data() + r * reach, reach);
     for (int64_t p = 0; p < reach; ++p) {
       widen(v, p);
       for (int64_t r = 0; r < rows; ++r) {
