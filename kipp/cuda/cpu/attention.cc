@@ -47,7 +47,8 @@ constexpr int64_t kAhead = 16;      // rows prefetched ahead of the one being wi
 constexpr int64_t kUnitsPerThread = 2;  // a decode round's units per thread, at least
 // The fewest KV heads a decode unit reads a position's span of (DecodeUnit); a round with too
 // few sequences to fill the threads that way (one sequence on two threads: 2 heads, 512 bytes
-// every 2 KB) runs Unit's one head per unit, whose chunks of rows ran 1.4x faster there.
+// every 2 KB) runs Unit's one head per unit, whose chunk-at-a-time widening reads such short
+// strided spans faster.
 constexpr int64_t kSpanHeads = 4;
 constexpr int64_t kRowBytes = kHeadDim * sizeof(uint16_t);
 

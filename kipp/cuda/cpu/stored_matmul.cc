@@ -243,9 +243,8 @@ void DecodeRow(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, i
 // asks for the same block of the tile kPrefetchTiles tiles ahead, which the unit reads next in
 // the same span (past the unit's last tile: the next unit's first tiles, read after this
 // unit's spans). The lines go to L2, not L1: a prefetch into L1 holds one of L1's few miss
-// buffers until its line arrives, and a round of several x rows, busy with its FMAs, then left
-// the stream short of them (a 4-row round took 1.4x one row's time at K = 1024; with the lines
-// sent to L2, about the same). A prefetch past a plane's end does not fault.
+// buffers until its line arrives, so a round of several x rows, busy with its FMAs, left the
+// stream short of them. A prefetch past a plane's end does not fault.
 constexpr int kPrefetchTiles = 4;
 
 // Block step b of the tile whose first W row is `ahead`, C rows wide: each row's line holding
@@ -353,11 +352,10 @@ constexpr int FusedWidth(int rows) {
   return kSharedHalves<F> ? std::min(4, 30 / (rows + 2)) : 2;
 }
 // W rows a decode round's tiles take. BF16 takes one W row at a time for up to kStreamRows x
-// rows (a row's decode is cheap next to its bytes; two W rows side by side were no faster); a
-// round of more x rows takes two, whose FMAs would otherwise wait on each chain's latency.
-// q8_0, whose decode costs more, takes two at every row count (a one-row round 5-10% faster
-// than one W row). The 4-bit tiles, bound by their table decode, take FusedWidth. Which W rows
-// share a tile changes no output's chain.
+// rows (a row's decode is cheap next to its bytes); a round of more x rows takes two, whose
+// FMAs would otherwise wait on each chain's latency. q8_0, whose decode costs more, takes two
+// at every row count, so two decodes overlap. The 4-bit tiles, bound by their table decode,
+// take FusedWidth. Which W rows share a tile changes no output's chain.
 constexpr int64_t kStreamRows = 4;
 template <Format F>
 constexpr int64_t DecodeWidth(int64_t rows) {
@@ -365,9 +363,9 @@ constexpr int64_t DecodeWidth(int64_t rows) {
 }
 // Blocks of K a decode round's tiles take at a time. A round whose x rows fit L1 (kL1Bytes)
 // takes whole rows. A wider one takes spans of x of at most kSpanBytes, so a span stays in L1
-// across the unit's W rows: at K = 3072, four whole rows of x are 48 KB, and each W row read
-// them again from L2 (a 4-row round took twice one row's time there). Splitting rows that do
-// fit costs time instead (8 rows at K = 1024: 1.2x). A span is a multiple of kScaleRun blocks.
+// across the unit's W rows, where whole rows (four at K = 3072 are 48 KB) would be read again
+// from L2 for every W row. Rows that fit are not split: a span's end parks every chain and
+// breaks the W stream for nothing. A span is a multiple of kScaleRun blocks.
 constexpr int64_t kL1Bytes = 32 << 10, kSpanBytes = 16 << 10;
 inline int64_t SpanBlocks(int64_t rows, int64_t blocks) {
   const int64_t block_bytes = rows * kBlock * static_cast<int64_t>(sizeof(float));
