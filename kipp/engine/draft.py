@@ -23,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig, SpecError
+from kipp.engine.spec import (AdaptiveGate, EvalClock, PromptLookupDrafter, SpecConfig,
+                              SpecError, compile_count)
 from kipp.text.grammar import GrammarError, Matcher
 from kipp.text.sampling import Sampler, SamplingParams
 
@@ -212,10 +213,13 @@ class ModelDrafter:
 
 
 def draft_many(drafters: Sequence[ModelDrafter],
-               starts: Sequence[tuple[Sequence[int], int, Matcher | None]]) -> None:
+               starts: Sequence[tuple[Sequence[int], int, Matcher | None]],
+               clock: EvalClock | None = None) -> None:
     """Draft for every drafter (each its (tokens, limit, matcher)) in lockstep: each draft
-    position is one draft-model eval over every drafter still drafting (an isolated one alone).
-    A drafter whose eval fails drafts nothing, now or later; the others go on."""
+    position is one draft-model eval over every drafter still drafting (an isolated one alone),
+    timed into `clock` by the number of drafters it serves (the first, catching up, with the
+    rest: a draft's cost is all of its evals). A drafter whose eval fails drafts nothing, now
+    or later; the others go on."""
     active = [d for d, (tokens, limit, matcher) in zip(drafters, starts)
               if d.begin(tokens, limit, matcher)]
     while active:
@@ -225,10 +229,13 @@ def draft_many(drafters: Sequence[ModelDrafter],
         active = []
         for group in calls.values():
             model = group[0].model
+            start, compiles = time.perf_counter(), compile_count(model)
             try:
                 results = model.eval_batch([(d.session, d.feed, 1) for d in group])
             except Exception as e:  # sessions are unchanged (eval_batch)
                 for d in group:
                     d._fail(e)
                 continue
+            if clock is not None and compile_count(model) == compiles:
+                clock.record(len(group), time.perf_counter() - start, draft=model)
             active += [d for d, rows in zip(group, results) if d.advance(rows)]

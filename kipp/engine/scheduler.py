@@ -53,6 +53,7 @@ from kipp.engine.requests import (  # noqa: F401  (the engine's request API, re-
     collect,
 )
 from kipp.engine.session import Session
+from kipp.engine.spec import EvalClock, compile_count
 from kipp.errors import KippError
 from kipp.text.grammar import GrammarError, Matcher, grammar_tokenizer, masks_ahead, prefetch
 from kipp.text.reasoning import ThinkTokens, think_tokens
@@ -100,6 +101,7 @@ class Scheduler:
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
                              reused_tokens=0, generated_tokens=0, steps=0, spec_drafted=0,
                              spec_accepted=0, step_seconds=0.0, eval_seconds=0.0)
+        self.clock = EvalClock()  # decode evals timed as they run: the draft gates' prices
 
     # -- caller side (any thread) -------------------------------------------------------------
 
@@ -331,9 +333,10 @@ class Scheduler:
             self._finish_ended()  # echo with max_tokens 0 ends without a decode step
             return False
         try:
-            evaluating = time.perf_counter()
+            evaluating, compiles = time.perf_counter(), compile_count(self.model)
             results = self._evaluate(batch)
-            self.counters["eval_seconds"] += time.perf_counter() - evaluating
+            seconds = time.perf_counter() - evaluating
+            self.counters["eval_seconds"] += seconds
         except Exception as e:  # sessions are unchanged (eval_batch); fail only this batch
             log.exception("batched eval failed")
             for run in {id(c.run): c.run for c, _ in batch}.values():
@@ -341,6 +344,9 @@ class Scheduler:
                 self._end(run, Failed(f"evaluation failed: {e}", error=e))
             return True
         self.counters["steps"] += 1
+        if (all(not c.in_prompt and not c.run.isolated for c, _ in batch)
+                and compile_count(self.model) == compiles):  # a decode round, timed alone
+            self.clock.record(sum(len(tokens) for _, tokens in batch), seconds)
         self._apply(batch, results)
         self._finish_ended()
         self.counters["step_seconds"] += time.perf_counter() - started  # the steps counted
@@ -351,7 +357,8 @@ class Scheduler:
         drafting = [(c, start) for c in running
                     if (start := c.start_draft(len(running))) is not None]
         if drafting:  # draft models draft in lockstep: one draft eval per position
-            draft_many([c.model_drafter for c, _ in drafting], [s for _, s in drafting])
+            draft_many([c.model_drafter for c, _ in drafting], [s for _, s in drafting],
+                       self.clock)
             for c, _ in drafting:
                 c.finish_draft()
         return [(c, c.next_tokens(self.prefill_chunk)) for c in running]

@@ -70,6 +70,46 @@ class PromptLookupDrafter:
         self._indexed = max(self._indexed, length)
 
 
+def round_rows(rows: int) -> int:
+    """The row count an eval of `rows` tokens is timed under: the next power of two, as
+    kipp.cuda.rounds compiles its rounds (elsewhere a close enough grouping)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def compile_count(model) -> int:
+    """Programs the model's backend has compiled (a compiling backend's `compile_log`): an
+    eval during which it grew timed a compile, not the eval."""
+    return len(getattr(getattr(model, "backend", None), "compile_log", ()))
+
+
+@dataclass
+class EvalClock:
+    """What decode evals cost on this machine now: per row count (round_rows), a decaying
+    average of the seconds the scheduler timed, for the target model and for each draft model.
+
+    The gate prices a verify from it once it has timed both counts it compares. What a row costs
+    over one moves with the machine's state, not only its kind: where other tenants share the
+    memory bus, a one-row eval (bandwidth-bound) gets slower and a several-row one (bound by
+    arithmetic) does not, so costs measured once at load misprice the verify for minutes."""
+
+    decay: float = 0.75  # weight of the past at each timed eval
+    target: dict[int, float] = field(default_factory=dict)
+    drafts: dict[int, dict[int, float]] = field(default_factory=dict)  # id(draft model) -> ...
+
+    def record(self, rows: int, seconds: float, draft: object = None) -> None:
+        """A decode eval of `rows` token rows took `seconds` (of the target, or of `draft`)."""
+        if rows < 1 or not seconds > 0:
+            return
+        table = self.target if draft is None else self.drafts.setdefault(id(draft), {})
+        key = round_rows(rows)
+        old = table.get(key)
+        table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def seconds(self, rows: int, draft: object = None) -> float | None:
+        table = self.target if draft is None else self.drafts.get(id(draft), {})
+        return table.get(round_rows(rows))
+
+
 @dataclass
 class AdaptiveGate:
     """How many draft tokens to verify next (0: a plain step), from the acceptance so far.
@@ -92,7 +132,9 @@ class AdaptiveGate:
     buckets token counts by powers of two).
     The default costs are those of XLA's CPU (a 4-row eval ~2x a 1-row one, 16 rows ~2.8x);
     a draft model's gate gets this machine's measured costs instead (kipp.engine.draft): evals
-    of a few row counts, since rows cost a step function of compiled rounds, not a line.
+    of a few row counts, since rows cost a step function of compiled rounds, not a line. With a
+    `clock` (the scheduler's EvalClock) those are priors: a ratio of two counts the clock has
+    timed is taken from the clock, and the draft's cost from its timed evals of `draft_model`.
     """
 
     sizes: tuple[int, ...] = (3, 7, 15)
@@ -100,6 +142,8 @@ class AdaptiveGate:
     verify_per_token: float = 0.07
     draft_cost: float = 0.0  # a drafted token's own cost in plain steps (a draft model's evals)
     row_costs: tuple[tuple[int, float], ...] = ()  # measured (rows, cost); replaces the line
+    clock: EvalClock | None = None  # evals timed as they run (the scheduler's); beats priors
+    draft_model: object = None  # whose evals in the clock are this gate's drafts
     decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
     max_pause: int = 32
     probe_overhead: float = 0.03  # what probing may cost a stream whose drafts do not pay
@@ -142,14 +186,35 @@ class AdaptiveGate:
                 break
         return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
+    def relative_cost(self, rows: int, batch: int) -> float:
+        """An eval of `rows` rows in evals of `batch` rows: the clock's timings where it has
+        both, else the priors (step_cost)."""
+        if self.clock is not None:
+            seconds, plain = self.clock.seconds(rows), self.clock.seconds(batch)
+            if seconds is not None and plain is not None:
+                return max(1.0, seconds / plain)  # more rows never cost less: a dip is noise
+        return self.step_cost(rows) / self.step_cost(batch)
+
+    def token_draft_cost(self, batch: int) -> float:
+        """A draft position's cost (one draft eval of the batch's drafts) in target evals of
+        `batch` rows: timed where the clock has both, else draft_cost."""
+        if self.clock is not None and self.draft_model is not None and self.draft_cost > 0:
+            seconds = self.clock.seconds(batch, self.draft_model)
+            plain = self.clock.seconds(batch)
+            if seconds is not None and plain is not None:
+                return seconds / plain
+        return self.draft_cost
+
+    def verify_cost(self, k: int, batch: int = 1) -> float:
+        """A k-token draft and its verify, in plain steps of a `batch`-choice step."""
+        return self.relative_cost(batch * (k + 1), batch) + self.token_draft_cost(batch) * k
+
     def expected_gain(self, k: int, batch: int = 1) -> float:
         """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0), in a
         step of `batch` choices that draft alike: the verify's rows are the batch's times k + 1,
         so drafting that pays alone (a few rows cost about one) may not pay in a full batch."""
         p = min(self.acceptance, 1 - 1e-9)
-        plain = self.step_cost(batch)
-        cost = self.step_cost(batch * (k + 1)) / plain + self.draft_cost * k
-        return (1 - p ** (k + 1)) / (1 - p) / cost
+        return (1 - p ** (k + 1)) / (1 - p) / self.verify_cost(k, batch)
 
     def budget(self, batch: int = 1) -> int:
         """Draft tokens to verify this step; 0 means a plain step. Call once per step;
@@ -192,8 +257,7 @@ class AdaptiveGate:
     def _pause(self) -> None:
         k = min(self.sizes)
         p = min(self.acceptance, 1 - 1e-9)
-        cost = self.step_cost(self.batch * (k + 1)) / self.step_cost(self.batch)
-        waste = cost + self.draft_cost * k - (1 - p ** (k + 1)) / (1 - p)
+        waste = self.verify_cost(k, self.batch) - (1 - p ** (k + 1)) / (1 - p)
         self.pause = max(self.backoff, math.ceil(max(0.0, waste) / self.probe_overhead))
 
 
