@@ -398,64 +398,71 @@ def test_probes_cost_a_stream_that_never_accepts_a_few_percent(steps, bound):
         assert spent / steps - 1 <= bound, (costs, spent / steps)
 
 
+@pytest.mark.clocked
 def test_the_clock_prices_the_gate_over_its_load_time_priors():
-    """The costs measured at load are priors: once the scheduler has timed both row counts a
-    verify compares, the gate prices it from those timings, and a draft token from the draft's
-    timed evals. Priors where a 4-row verify costs 1.1 steps pay at 30% acceptance; a clock
-    that has seen it cost 1.5 (a one-row eval sped up by a freer memory bus) pauses."""
+    """The costs measured at load are priors: once the scheduler has timed a plain round and a
+    drafting one of the rows a verify compares, the gate prices the verify by their ratio.
+    Priors where a 4-row verify and its 3 draft tokens cost 1.4 steps pay at 30% acceptance;
+    a clock that has timed them at 1.75 (a plain round sped up by a freer memory bus) pauses."""
     from kipp.engine.spec import AdaptiveGate, EvalClock
 
-    draft = object()
     clock = EvalClock()
     gate = AdaptiveGate(row_costs=((4, 1.1), (8, 1.8)), draft_cost=0.1, successes=0.3,
-                        trials=1.0, clock=clock, draft_model=draft)
+                        trials=1.0, clock=clock)
     assert gate.verify_cost(3) == pytest.approx(1.4)  # nothing timed: the priors
     assert gate.budget(1) == 3
-    clock.record(4, 0.030)  # one count alone prices nothing
-    assert gate.relative_cost(4, 1) == pytest.approx(1.1)
+    clock.record(4, 0.035, drafted=True)  # one round alone prices nothing
+    clock.record(4, 0.030)  # a plain round of 4 rows is another batch's
+    assert gate.verify_cost(3) == pytest.approx(1.4)
     clock.record(1, 0.020)
-    assert gate.relative_cost(4, 1) == pytest.approx(1.5)
-    assert gate.token_draft_cost(1) == 0.1  # the draft not timed yet
-    clock.record(1, 0.001, draft=draft)
-    assert gate.token_draft_cost(1) == pytest.approx(0.05)
+    assert gate.verify_cost(3) == pytest.approx(1.75)
+    assert gate.verify_cost(7) == pytest.approx(1.8 + 0.7)  # 8 rows not timed: the priors
     assert gate.expected_gain(3) < 1.0 and gate.budget(1) == 0
-    # rows are timed by compiled round (powers of two), each a decaying average
-    clock.record(3, 0.040)
-    assert clock.seconds(4) == pytest.approx(0.75 * 0.030 + 0.25 * 0.040)
-    clock.record(5, 0.5)
-    assert clock.seconds(8) == 0.5 and clock.seconds(2) is None
+    clock.record(1, 0.100)  # plain now 0.04 s: a verify timed below it is noise
+    assert gate.verify_cost(3) == 1.0
+    # rounds are timed by compiled round (powers of two), each a decaying average
+    clock.record(3, 0.045, drafted=True)
+    assert clock.seconds(4, drafted=True) == pytest.approx(0.75 * 0.035 + 0.25 * 0.045)
+    assert clock.seconds(2) is None and clock.seconds(2, drafted=True) is None
 
 
-def test_the_scheduler_times_decode_evals_into_the_clock(models, monkeypatch):
-    """The scheduler times each decode round (not prompt chunks, not a round that compiled)
-    into the clock its choices' gates read, and each draft eval by the draft model."""
+@pytest.mark.clocked
+def test_the_scheduler_times_decode_rounds_into_the_clock(models, monkeypatch):
+    """The scheduler times each decode round into the clock its choices' gates read, plain and
+    drafting apart; not prompt chunks, a round whose target or draft eval compiled, or a
+    draft that caught up over the prompt."""
     from kipp.engine.draft import spec_config
 
     target, draft = models(TINY), models(BASE)
     config = spec_config(draft, target, row_costs=((4, 1.1), (8, 1.8), (16, 4.0)),
                          draft_cost=0.1)
 
-    def generate(scheduler):
+    def generate():
+        scheduler = Scheduler(target, speculative=config)
+        timed, record = [], scheduler.clock.record
+        scheduler.clock.record = lambda *a, **k: timed.append(k.get("drafted")) or record(*a, **k)
         ticket = scheduler.submit(Request(_prompt(target, 40), max_tokens=12,
                                           sampling=SamplingParams(temperature=0)))
         scheduler.run_until_idle()
         tokens, _, _, last = collect(ticket)
         assert isinstance(last, Done) and len(tokens[0]) == 12
+        return scheduler.clock, timed, last.spec
 
-    scheduler = Scheduler(target, speculative=config)
-    generate(scheduler)
-    timed = scheduler.clock.target
-    assert timed and set(timed) <= {1, 2, 4, 8, 16}, timed  # no 64-row prompt chunk
-    assert set(scheduler.clock.drafts) == {id(draft)}
+    clock, timed, spec = generate()
+    assert clock.drafted and set(clock.drafted) <= {4, 8, 16}, clock.drafted
+    assert set(clock.plain) <= {1}, clock.plain  # the 40-token prompt's round is not timed
+    # every decode round but the first draft's, which evaluated the prompt on the draft model
+    assert timed.count(True) == spec.verify_evals - 1 and timed.count(False) == spec.plain_evals
 
-    compile_log, real_eval = [], target.backend.eval
+    for model in (target, draft):  # every eval of either compiles: nothing is timed
+        compile_log, real_eval = [], model.backend.eval
 
-    def compiling_eval(items):  # every round compiles
-        compile_log.append(("round", 0.0))
-        return real_eval(items)
+        def compiling_eval(items, compile_log=compile_log, real_eval=real_eval):
+            compile_log.append(("round", 0.0))
+            return real_eval(items)
 
-    monkeypatch.setattr(target.backend, "compile_log", compile_log, raising=False)
-    monkeypatch.setattr(target.backend, "eval", compiling_eval)
-    scheduler = Scheduler(target, speculative=config)
-    generate(scheduler)
-    assert compile_log and scheduler.clock.target == {}
+        with monkeypatch.context() as patched:
+            patched.setattr(model.backend, "compile_log", compile_log, raising=False)
+            patched.setattr(model.backend, "eval", compiling_eval)
+            clock, _, _ = generate()
+        assert compile_log and not clock.drafted, model.entry.id

@@ -13,7 +13,7 @@ import pytest
 
 from kipp import gates
 from kipp.cli import main as cli_main
-from kipp.engine.spec import AdaptiveGate, EvalClock, PromptLookupDrafter, SpecConfig
+from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig
 from kipp.formats.registry import IM_END_ID
 from kipp.model import GenerationError, load
 from kipp.synthetic.writer import designed_rule, live_token_ids
@@ -137,10 +137,7 @@ def test_always_wrong_drafter(models, gated):
     prompt = _prompts(model)["repetitive"]
     _, plain = _generate(model, prompt)
     wrong = SpecConfig(drafter=lambda: OracleDrafter(len(prompt), plain.tokens, wrong=True),
-                       # a clock of its own that nothing times: the gate keeps its priors
-                       # (the scheduler's would price this backend's verifies as it runs)
-                       gate=(lambda: AdaptiveGate(clock=EvalClock())) if gated
-                       else lambda: FixedGate(3))
+                       gate=AdaptiveGate if gated else lambda: FixedGate(3))
     _, spec = _generate(model, prompt, speculative=wrong)
     assert spec.tokens == plain.tokens
     assert spec.spec.accepted == 0 and spec.decode_evals == plain.decode_evals

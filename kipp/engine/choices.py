@@ -60,7 +60,7 @@ class Choice:
         self.gate = spec.gate() if spec else None
         if isinstance(self.gate, AdaptiveGate) and self.gate.clock is None:
             # priced by what the scheduler times (a gate given a clock keeps its own)
-            self.gate.clock, self.gate.draft_model = run.scheduler.clock, spec.draft_model
+            self.gate.clock = run.scheduler.clock
         self.spec = SpecStats() if spec else None
         self.draft: list[int] = []
         self.draft_q: list[np.ndarray] | None = None  # the distribution of each draft token

@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kipp.engine.spec import (AdaptiveGate, EvalClock, PromptLookupDrafter, SpecConfig,
-                              SpecError, compile_count)
+from kipp.engine.spec import (AdaptiveGate, PromptLookupDrafter, SpecConfig, SpecError,
+                              compile_count)
 from kipp.text.grammar import GrammarError, Matcher
 from kipp.text.sampling import Sampler, SamplingParams
 
@@ -213,15 +213,16 @@ class ModelDrafter:
 
 
 def draft_many(drafters: Sequence[ModelDrafter],
-               starts: Sequence[tuple[Sequence[int], int, Matcher | None]],
-               clock: EvalClock | None = None) -> None:
+               starts: Sequence[tuple[Sequence[int], int, Matcher | None]]) -> bool:
     """Draft for every drafter (each its (tokens, limit, matcher)) in lockstep: each draft
-    position is one draft-model eval over every drafter still drafting (an isolated one alone),
-    timed into `clock` by the number of drafters it serves (the first, catching up, with the
-    rest: a draft's cost is all of its evals). A drafter whose eval fails drafts nothing, now
-    or later; the others go on."""
+    position is one draft-model eval over every drafter still drafting (an isolated one alone).
+    A drafter whose eval fails drafts nothing, now or later; the others go on. Returns whether
+    the drafts cost what an ordinary draft does (the round's time prices the gates,
+    kipp.engine.spec.EvalClock): no eval compiled, and none caught a drafter up by more than a
+    draft's length (a first draft evaluates the whole prompt)."""
     active = [d for d, (tokens, limit, matcher) in zip(drafters, starts)
               if d.begin(tokens, limit, matcher)]
+    ordinary = all(len(d.feed) <= d._limit + 1 for d in active)
     while active:
         calls = defaultdict(list)
         for d in active:
@@ -229,13 +230,14 @@ def draft_many(drafters: Sequence[ModelDrafter],
         active = []
         for group in calls.values():
             model = group[0].model
-            start, compiles = time.perf_counter(), compile_count(model)
+            compiles = compile_count(model)
             try:
                 results = model.eval_batch([(d.session, d.feed, 1) for d in group])
             except Exception as e:  # sessions are unchanged (eval_batch)
                 for d in group:
                     d._fail(e)
+                ordinary = False
                 continue
-            if clock is not None and compile_count(model) == compiles:
-                clock.record(len(group), time.perf_counter() - start, draft=model)
+            ordinary = ordinary and compile_count(model) == compiles
             active += [d for d, rows in zip(group, results) if d.advance(rows)]
+    return ordinary

@@ -101,7 +101,7 @@ class Scheduler:
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
                              reused_tokens=0, generated_tokens=0, steps=0, spec_drafted=0,
                              spec_accepted=0, step_seconds=0.0, eval_seconds=0.0)
-        self.clock = EvalClock()  # decode evals timed as they run: the draft gates' prices
+        self.clock = EvalClock()  # decode rounds timed as they run: the spec gates' prices
 
     # -- caller side (any thread) -------------------------------------------------------------
 
@@ -328,15 +328,16 @@ class Scheduler:
         started = time.perf_counter()
         self.reap()
         self._admit()
-        batch = self._plan()
+        planning, compiles = time.perf_counter(), compile_count(self.model)
+        batch, timed = self._plan()
         if not batch:
             self._finish_ended()  # echo with max_tokens 0 ends without a decode step
             return False
+        timed = timed and all(not c.in_prompt and not c.run.isolated for c, _ in batch)
         try:
-            evaluating, compiles = time.perf_counter(), compile_count(self.model)
+            evaluating = time.perf_counter()
             results = self._evaluate(batch)
-            seconds = time.perf_counter() - evaluating
-            self.counters["eval_seconds"] += seconds
+            self.counters["eval_seconds"] += time.perf_counter() - evaluating
         except Exception as e:  # sessions are unchanged (eval_batch); fail only this batch
             log.exception("batched eval failed")
             for run in {id(c.run): c.run for c, _ in batch}.values():
@@ -344,24 +345,28 @@ class Scheduler:
                 self._end(run, Failed(f"evaluation failed: {e}", error=e))
             return True
         self.counters["steps"] += 1
-        if (all(not c.in_prompt and not c.run.isolated for c, _ in batch)
-                and compile_count(self.model) == compiles):  # a decode round, timed alone
-            self.clock.record(sum(len(tokens) for _, tokens in batch), seconds)
         self._apply(batch, results)
+        if timed and compile_count(self.model) == compiles:
+            self.clock.record(sum(len(tokens) for _, tokens in batch),
+                              time.perf_counter() - planning,
+                              drafted=any(c.draft for c, _ in batch))
         self._finish_ended()
         self.counters["step_seconds"] += time.perf_counter() - started  # the steps counted
         return True
 
-    def _plan(self) -> list[tuple[Choice, list[int]]]:
+    def _plan(self) -> tuple[list[tuple[Choice, list[int]]], bool]:
+        """The step's (choice, tokens), and whether its drafting was ordinary enough for the
+        step's time to price the gates (draft_many)."""
         running = [c for r in self._running for c in r.live if c.state is ChoiceState.RUNNING]
         drafting = [(c, start) for c in running
                     if (start := c.start_draft(len(running))) is not None]
+        ordinary = True
         if drafting:  # draft models draft in lockstep: one draft eval per position
-            draft_many([c.model_drafter for c, _ in drafting], [s for _, s in drafting],
-                       self.clock)
+            ordinary = draft_many([c.model_drafter for c, _ in drafting],
+                                  [s for _, s in drafting])
             for c, _ in drafting:
                 c.finish_draft()
-        return [(c, c.next_tokens(self.prefill_chunk)) for c in running]
+        return [(c, c.next_tokens(self.prefill_chunk)) for c in running], ordinary
 
     def _evaluate(self, batch: list[tuple[Choice, list[int]]]) -> list[np.ndarray]:
         """Logits for every (choice, tokens) of a step: one backend call for the batch, plus

@@ -84,30 +84,31 @@ def compile_count(model) -> int:
 
 @dataclass
 class EvalClock:
-    """What decode evals cost on this machine now: per row count (round_rows), a decaying
-    average of the seconds the scheduler timed, for the target model and for each draft model.
+    """What decode rounds cost on this machine now: per row count (round_rows), a decaying
+    average of the seconds the scheduler timed a round, from planning it to applying its rows,
+    kept apart for plain rounds and for rounds that verified drafts (whose time includes the
+    drafting: a draft model's evals and the sampling of its tokens).
 
-    The gate prices a verify from it once it has timed both counts it compares. What a row costs
-    over one moves with the machine's state, not only its kind: where other tenants share the
-    memory bus, a one-row eval (bandwidth-bound) gets slower and a several-row one (bound by
-    arithmetic) does not, so costs measured once at load misprice the verify for minutes."""
+    A gate prices a verify from it once it has timed both rounds it compares. What a round
+    costs moves with the machine's state, not only its kind: where other tenants share the
+    memory bus, a plain round (bandwidth-bound) slows down and a several-row verify (bound by
+    arithmetic) does not, so costs measured once at load misprice drafting for minutes."""
 
-    decay: float = 0.75  # weight of the past at each timed eval
-    target: dict[int, float] = field(default_factory=dict)
-    drafts: dict[int, dict[int, float]] = field(default_factory=dict)  # id(draft model) -> ...
+    decay: float = 0.75  # weight of the past at each timed round
+    plain: dict[int, float] = field(default_factory=dict)
+    drafted: dict[int, float] = field(default_factory=dict)
 
-    def record(self, rows: int, seconds: float, draft: object = None) -> None:
-        """A decode eval of `rows` token rows took `seconds` (of the target, or of `draft`)."""
+    def record(self, rows: int, seconds: float, drafted: bool = False) -> None:
+        """A decode round of `rows` token rows took `seconds`; `drafted`: it verified drafts."""
         if rows < 1 or not seconds > 0:
             return
-        table = self.target if draft is None else self.drafts.setdefault(id(draft), {})
+        table = self.drafted if drafted else self.plain
         key = round_rows(rows)
         old = table.get(key)
         table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
-    def seconds(self, rows: int, draft: object = None) -> float | None:
-        table = self.target if draft is None else self.drafts.get(id(draft), {})
-        return table.get(round_rows(rows))
+    def seconds(self, rows: int, drafted: bool = False) -> float | None:
+        return (self.drafted if drafted else self.plain).get(round_rows(rows))
 
 
 @dataclass
@@ -133,8 +134,9 @@ class AdaptiveGate:
     The default costs are those of XLA's CPU (a 4-row eval ~2x a 1-row one, 16 rows ~2.8x);
     a draft model's gate gets this machine's measured costs instead (kipp.engine.draft): evals
     of a few row counts, since rows cost a step function of compiled rounds, not a line. With a
-    `clock` (the scheduler's EvalClock) those are priors: a ratio of two counts the clock has
-    timed is taken from the clock, and the draft's cost from its timed evals of `draft_model`.
+    `clock` (the scheduler's EvalClock) those are priors: once the clock has timed a plain round
+    and a drafting one of the rows compared, their ratio is the verify's cost, drafting and
+    the Python between the evals included.
     """
 
     sizes: tuple[int, ...] = (3, 7, 15)
@@ -142,8 +144,7 @@ class AdaptiveGate:
     verify_per_token: float = 0.07
     draft_cost: float = 0.0  # a drafted token's own cost in plain steps (a draft model's evals)
     row_costs: tuple[tuple[int, float], ...] = ()  # measured (rows, cost); replaces the line
-    clock: EvalClock | None = None  # evals timed as they run (the scheduler's); beats priors
-    draft_model: object = None  # whose evals in the clock are this gate's drafts
+    clock: EvalClock | None = None  # rounds timed as they run (the scheduler's); beats priors
     decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
     max_pause: int = 32
     probe_overhead: float = 0.03  # what probing may cost a stream whose drafts do not pay
@@ -186,28 +187,16 @@ class AdaptiveGate:
                 break
         return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
-    def relative_cost(self, rows: int, batch: int) -> float:
-        """An eval of `rows` rows in evals of `batch` rows: the clock's timings where it has
-        both, else the priors (step_cost)."""
+    def verify_cost(self, k: int, batch: int = 1) -> float:
+        """A round verifying k-token drafts, in plain rounds of a `batch`-choice step: the
+        clock's timed rounds where it has both, else the priors (step_cost, draft_cost)."""
+        rows = batch * (k + 1)
         if self.clock is not None:
-            seconds, plain = self.clock.seconds(rows), self.clock.seconds(batch)
-            if seconds is not None and plain is not None:
-                return max(1.0, seconds / plain)  # more rows never cost less: a dip is noise
-        return self.step_cost(rows) / self.step_cost(batch)
-
-    def token_draft_cost(self, batch: int) -> float:
-        """A draft position's cost (one draft eval of the batch's drafts) in target evals of
-        `batch` rows: timed where the clock has both, else draft_cost."""
-        if self.clock is not None and self.draft_model is not None and self.draft_cost > 0:
-            seconds = self.clock.seconds(batch, self.draft_model)
+            seconds = self.clock.seconds(rows, drafted=True)
             plain = self.clock.seconds(batch)
             if seconds is not None and plain is not None:
-                return seconds / plain
-        return self.draft_cost
-
-    def verify_cost(self, k: int, batch: int = 1) -> float:
-        """A k-token draft and its verify, in plain steps of a `batch`-choice step."""
-        return self.relative_cost(batch * (k + 1), batch) + self.token_draft_cost(batch) * k
+                return max(1.0, seconds / plain)  # a verify never costs less: a dip is noise
+        return self.step_cost(rows) / self.step_cost(batch) + self.draft_cost * k
 
     def expected_gain(self, k: int, batch: int = 1) -> float:
         """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0), in a
