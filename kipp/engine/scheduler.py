@@ -333,7 +333,10 @@ class Scheduler:
         if not batch:
             self._finish_ended()  # echo with max_tokens 0 ends without a decode step
             return False
-        timed = timed and all(not c.in_prompt and not c.run.isolated for c, _ in batch)
+        # a decode round in one eval call (an isolated choice's own call beside others' would
+        # time two rounds as one)
+        timed = (timed and all(not c.in_prompt for c, _ in batch)
+                 and (len(batch) == 1 or not any(c.run.isolated for c, _ in batch)))
         try:
             evaluating = time.perf_counter()
             results = self._evaluate(batch)
