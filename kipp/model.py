@@ -34,7 +34,7 @@ from kipp.display import count, html_view, text_view
 from kipp.engine.blocks import BlockPool
 from kipp.engine.draft import spec_config
 from kipp.engine.session import Session, SessionError
-from kipp.engine.spec import SpecConfig
+from kipp.engine.spec import EvalClock, SpecConfig
 from kipp.errors import KippError, require
 from kipp.formats.artifact import Artifact, open_artifact
 from kipp.formats.registry import KV_HEADS, VOCAB_SIZE
@@ -284,6 +284,7 @@ class Model:
         self.draft: Model | None = None  # the draft model speculative=True drafts with
         self.draft_spec: SpecConfig | None = None
         self.kv_disk = None  # kipp.engine.kv_disk.KVDisk once attach_kv_disk is called
+        self.clock = EvalClock()  # its decode rounds as schedulers time them (spec gates)
 
     def set_draft(self, draft: "Model | None", sizes: tuple[int, ...] | None = None) -> None:
         """Draft with `draft` (None: prompt lookup again) for speculative=True; SpecError if it

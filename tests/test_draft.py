@@ -428,17 +428,20 @@ def test_the_clock_prices_the_gate_over_its_load_time_priors():
 
 @pytest.mark.clocked
 def test_the_scheduler_times_decode_rounds_into_the_clock(models, monkeypatch):
-    """The scheduler times each decode round into the clock its choices' gates read, plain and
-    drafting apart; not prompt chunks, a round whose target or draft eval compiled, or a
+    """The scheduler times each decode round into the model's clock its choices' gates read,
+    plain and drafting apart; not prompt chunks, a round whose target or draft eval compiled, or a
     draft that caught up over the prompt."""
     from kipp.engine.draft import spec_config
+    from kipp.engine.spec import EvalClock
 
     target, draft = models(TINY), models(BASE)
     config = spec_config(draft, target, row_costs=((4, 1.1), (8, 1.8), (16, 4.0)),
                          draft_cost=0.1)
 
     def generate():
+        monkeypatch.setattr(target, "clock", EvalClock())
         scheduler = Scheduler(target, speculative=config)
+        assert scheduler.clock is target.clock  # each new scheduler goes on timing the model
         timed, record = [], scheduler.clock.record
         scheduler.clock.record = lambda *a, **k: timed.append(k.get("drafted")) or record(*a, **k)
         ticket = scheduler.submit(Request(_prompt(target, 40), max_tokens=12,

@@ -101,7 +101,9 @@ class Scheduler:
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0,
                              reused_tokens=0, generated_tokens=0, steps=0, spec_drafted=0,
                              spec_accepted=0, step_seconds=0.0, eval_seconds=0.0)
-        self.clock = EvalClock()  # decode rounds timed as they run: the spec gates' prices
+        # decode rounds timed as they run, the spec gates' prices: the model's, so every
+        # scheduler on it (and each new one) prices by what the model's rounds cost here
+        self.clock = getattr(model, "clock", None) or EvalClock()
 
     # -- caller side (any thread) -------------------------------------------------------------
 
