@@ -97,7 +97,9 @@ def backend_models(models, artifacts):
     return get
 
 
-@pytest.mark.parametrize("backend", ["reference", "jax", "mlx"])
+# the reference's verifies take 18 s of the default suite; CI's longest-checks step runs it
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow),
+                                     "jax", "mlx"])
 def test_speculative_equals_plain_greedy(backend_models, backend):
     model = backend_models(backend)
     for name, prompt in _prompts(model).items():
