@@ -66,7 +66,7 @@ def assert_gate_rows_say_what_they_measured(report: dict, printed: str) -> None:
     assert "batched vs isolated" in rows and "argmax identical" in rows["batched vs isolated"]
 
 
-@pytest.mark.parametrize("backend", ["jax", "mlx"])
+@pytest.mark.parametrize("backend", ["jax", pytest.param("mlx", marks=pytest.mark.slow)])
 def test_doctor_on_the_twins(artifacts, synthetic_dir, backend):
     pytest.importorskip({"jax": "jax", "mlx": "mlx.core"}[backend])
     report = doctor.collect(None, backend, tiny=artifacts(TINY), tiny_source=synthetic_dir(TINY))
@@ -80,6 +80,7 @@ def test_doctor_on_the_twins(artifacts, synthetic_dir, backend):
     assert_gate_rows_say_what_they_measured(report, doctor.format_report(report))
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_doctor_reports_kernels_that_fell_back(artifacts, synthetic_dir, monkeypatch):
     """JAX asked for compiled Pallas kernels on a CPU: every probe fails to lower, the twins
     run and pass the gates, and the doctor says which kernels fell back: not healthy."""

@@ -187,6 +187,7 @@ def test_the_draft_session_holds_the_accepted_prefix(pair):
     target.pool.check()
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the draft-model step)
 def test_load_with_a_draft_and_speculative_true(artifacts):
     target = load(artifacts(TINY), backend="reference", kv_tokens=1024, progress=False,
                   draft=artifacts(TINY), draft_tokens=4)
@@ -272,6 +273,7 @@ def test_the_draft_cost_is_the_measured_step_ratio(models):
     assert draft_cost(target, target) == 1.0
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the draft-model step)
 def test_the_verify_cost_is_measured_on_the_target(models, monkeypatch):
     """verify_costs prices a verify by timing the target's multi-row evals, each row count's
     compile untimed, in one-token evals (checked on a clock the evals themselves advance: a

@@ -66,6 +66,7 @@ def test_bounds_are_calibrated_per_backend():
     assert gates.bound_key(SimpleNamespace(name="reference")) == "reference"
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_gates_fail_when_the_source_is_perturbed(artifacts, synthetic_dir, tmp_path, capsys):
     """The artifact made from the source, checked against a source with one layer 3% off:
     the source gate and transformers see it (test_reference passes the unperturbed one)."""

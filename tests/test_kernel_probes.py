@@ -149,6 +149,7 @@ def mlx_faults(monkeypatch):
     return {"kernel_runner": runner}, calls
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_mlx_injected_failures_fall_back_per_kernel(artifacts, mlx_faults, caplog):
     from kipp.apple.backend import MLXBackend
 
@@ -238,6 +239,7 @@ def jax_faults(monkeypatch):
     return calls
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_jax_injected_failures_fall_back_per_kernel(artifacts, jax_faults, caplog):
     from kipp.cuda.backend import JaxBackend
 

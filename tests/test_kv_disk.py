@@ -112,6 +112,7 @@ def tiny(artifacts):
     return artifacts(TINY)
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_restart_restores_the_prefix_bitwise(tiny, tmp_path):
     saved(tiny, tmp_path)
     m = model(tiny, tmp_path)

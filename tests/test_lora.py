@@ -152,6 +152,7 @@ def test_bf16_kv_reference_with_adapters_matches_peft_within_its_bound(lora_mode
     assert worst <= LORA_BF16_KV_NMSE
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the LoRA step)
 def test_a_batch_mixing_two_adapters_and_the_base_equals_each_alone(lora_model):
     tokens = prompts(lora_model)
     names = ["alpha", None, "beta", "alpha"]

@@ -491,6 +491,7 @@ def test_thinking_with_a_budget_is_the_inline_reasoning_split(thinking_server):
     assert blocks(streamed) == blocks(whole) and streamed.stop_reason == whole.stop_reason
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_thinking_disabled_omitted_and_adaptive(thinking_server):
     client = client_of(thinking_server)
     ask = dict(model=THINKING, messages=USER, max_tokens=12, extra_body=GREEDY)

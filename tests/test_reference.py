@@ -170,7 +170,9 @@ def test_pool_exhaustion_fails_cleanly(artifacts):
 QUALITY_NMSE = {"q8_0": 2e-4, "affine4_gs32": 3e-2, "scale4_gs32": 3e-2}
 
 
-@pytest.mark.parametrize("scheme", ["q8_0", "affine4_gs32", "scale4_gs32"])
+# the 4-bit schemes' reports take 26 s of the default suite: CI's longest default checks
+@pytest.mark.parametrize("scheme", ["q8_0", *(pytest.param(s, marks=pytest.mark.slow)
+                                              for s in ("affine4_gs32", "scale4_gs32"))])
 def test_quantized_quality_report(models, scheme):
     result = gates.quality_report(models(TINY, scheme), models(TINY, "bf16"))
     print(gates.format_table([result]))

@@ -270,6 +270,7 @@ def test_engine_thread(model):
     assert model.pool.num_in_use == 0
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_speculative_scheduler_emits_plain_greedy_tokens(model):
     """Greedy choices verify prompt-lookup drafts inside the batched step; sampled ones in the
     same batch decode plainly. Every stream equals its isolated plain generation."""

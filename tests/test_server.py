@@ -132,6 +132,7 @@ def test_models_and_health(server):
                                  "probes": []}  # the reference runs no kernels
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_concurrent_clients_get_their_isolated_generation(server, oracle):
     prompts = [f"Client number {i} asks about {w}" for i, w in
                enumerate(["rope", "norms", "kv blocks", "sampling", "gguf", "metal"])]

@@ -411,6 +411,7 @@ def run_seeded(model, companions, seed=111):
     return tokens, done
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_seeded_sampling_does_not_depend_on_batch_companions(artifacts, monkeypatch):
     model = load(artifacts(TINY), backend="reference", kv_tokens=2048, progress=False)
     model.backend = BatchVariant(model.backend)
