@@ -130,6 +130,7 @@ class ModelDrafter:
         self.session = None
         self.isolated = False  # set by the choice: evaluate alone (a seeded batch-variant run)
         self.failed = False  # the draft pool ran out or an eval failed: no more drafts
+        self.first = False  # the current draft opened the session (its eval covers the prompt)
         self._reset_draft()
 
     def _reset_draft(self) -> None:
@@ -192,7 +193,8 @@ class ModelDrafter:
     def _sync(self) -> list[int]:
         """Keep the session's prefix shared with the base; the tokens still to evaluate."""
         base = self._base
-        if self.session is None:
+        self.first = self.session is None  # this draft's eval covers the prompt
+        if self.first:
             self.session = self.model.session(self.capacity)
             self.session.match_prefix(base)
         have = self.session.tokens
@@ -218,11 +220,12 @@ def draft_many(drafters: Sequence[ModelDrafter],
     position is one draft-model eval over every drafter still drafting (an isolated one alone).
     A drafter whose eval fails drafts nothing, now or later; the others go on. Returns whether
     the drafts cost what an ordinary draft does (the round's time prices the gates,
-    kipp.engine.spec.EvalClock): no eval compiled, and none caught a drafter up by more than a
-    draft's length (a first draft evaluates the whole prompt)."""
+    kipp.engine.spec.EvalClock): no eval compiled, and none was a drafter's first (which
+    evaluates the whole prompt). A draft after a pause catches up over the steps it paused for:
+    that is a cost of drafting, so it is timed."""
     active = [d for d, (tokens, limit, matcher) in zip(drafters, starts)
               if d.begin(tokens, limit, matcher)]
-    ordinary = all(len(d.feed) <= d._limit + 1 for d in active)
+    ordinary = not any(d.first for d in active)
     while active:
         calls = defaultdict(list)
         for d in active:
