@@ -431,8 +431,8 @@ def test_the_clock_prices_the_gate_over_its_load_time_priors():
 @pytest.mark.clocked
 def test_the_scheduler_times_decode_rounds_into_the_clock(models, monkeypatch):
     """The scheduler times each decode round into the model's clock its choices' gates read,
-    plain and drafting apart; not prompt chunks, a round whose target or draft eval compiled, or a
-    draft that caught up over the prompt."""
+    plain and drafting apart; not prompt chunks, a round whose target or draft eval compiled, or
+    a first draft (its eval covers the prompt)."""
     from kipp.engine.draft import spec_config
     from kipp.engine.spec import EvalClock
 
