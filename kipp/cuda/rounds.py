@@ -17,7 +17,11 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from kipp.backend import KV_BLOCK, EvalItem, blocks_needed
-from kipp.engine.rounds import Piece, plan_rounds  # noqa: F401  (the core's planner, re-exported)
+from kipp.engine.rounds import (  # noqa: F401  (the core's planner and buckets, re-exported)
+    Piece,
+    bucket_size,
+    plan_rounds,
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -49,11 +53,6 @@ class RoundArrays(NamedTuple):
     adapter_slots: np.ndarray  # [T] each token row's index into adapter_active; -1: the base
     adapter_active: np.ndarray  # [N] stacked LoRA slots the round reads (N 0: none, else a
     #                             power of two, padded by repeating the first)
-
-
-def bucket_size(n: int) -> int:
-    """The power of two at or above n (n >= 1)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: int,

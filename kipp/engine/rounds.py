@@ -15,6 +15,12 @@ from typing import Sequence
 from kipp.backend import EvalItem
 
 
+def bucket_size(n: int) -> int:
+    """The power of two at or above n (n >= 1): the token counts a compiled round is padded to
+    (kipp.cuda.rounds), and the row counts the speculation gates time (kipp.engine.spec)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class Piece:
     item: int  # index into the eval call's items

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from kipp.engine.rounds import bucket_size
 from kipp.errors import KippError
 
 
@@ -70,12 +71,6 @@ class PromptLookupDrafter:
         self._indexed = max(self._indexed, length)
 
 
-def round_rows(rows: int) -> int:
-    """The row count an eval of `rows` tokens is timed under: the next power of two, as
-    kipp.cuda.rounds compiles its rounds (elsewhere a close enough grouping)."""
-    return 1 << max(0, rows - 1).bit_length()
-
-
 def compile_count(model) -> int:
     """Programs the model's backend has compiled (a compiling backend's `compile_log`): an
     eval during which it grew timed a compile, not the eval."""
@@ -84,7 +79,7 @@ def compile_count(model) -> int:
 
 @dataclass
 class EvalClock:
-    """What decode rounds cost on this machine now: per row count (round_rows), a decaying
+    """What decode rounds cost on this machine now: per row count (bucket_size: compiled rounds' sizes), a decaying
     average of the seconds the scheduler timed a round, from planning it to applying its rows,
     kept apart for plain rounds and for rounds that verified drafts (whose time includes the
     drafting: a draft model's evals and the sampling of its tokens).
@@ -103,12 +98,12 @@ class EvalClock:
         if rows < 1 or not seconds > 0:
             return
         table = self.drafted if drafted else self.plain
-        key = round_rows(rows)
+        key = bucket_size(rows)
         old = table.get(key)
         table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def seconds(self, rows: int, drafted: bool = False) -> float | None:
-        return (self.drafted if drafted else self.plain).get(round_rows(rows))
+        return (self.drafted if drafted else self.plain).get(bucket_size(rows))
 
 
 @dataclass
