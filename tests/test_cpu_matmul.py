@@ -148,6 +148,7 @@ def test_the_build_is_the_widest_set_the_cpu_reports():
         want = cpu_matmul.Isa.PORTABLE
     assert cpu_matmul.cpu_isa() is want
     assert cpu_matmul.available()[1].startswith(f"built for {want.value} at ")
+    assert cpu_matmul.cpu_has_avx512_bf16() is ("avx512_bf16" in flags)  # the BF16 dot's check
 
 
 def test_a_narrower_build_is_chosen_by_name(monkeypatch):

@@ -20,6 +20,14 @@ The int8 dot (Dot.INT8): against float64 over numpy's int8 rounding of x (_int8_
 INT8_X_BOUND = 8e-3. Through the backend against the reference with the same rounding, worst-row
 NMSE max 5.49e-6 (a few x roundings flip where JAX's and numpy's float32 orders differ),
 INT8_BACKEND_BOUND = 5e-5.
+
+The BF16 dot (Dot.BF16, BF16 weights on a CPU with AVX-512 BF16): against float64 over numpy's
+bf16 rounding of x (ml_dtypes, _bf16_rows) max 4e-8 of the magnitude, BF16_BOUND = 4e-7;
+against x itself at most the rounding's half ulp, 2**-9 of the magnitude (measured 8e-4),
+BF16_X_BOUND = 2e-3. Planted, truncating x instead of rounding it gave 2e-3 against _bf16_rows
+and a W vector read one block ahead 1.5: both failed BF16_BOUND. Through the backend against
+the reference with the same rounding, worst-row NMSE 4.46e-6 (against the plain reference
+3.5e-4), BF16_BACKEND_BOUND = 5e-5.
 """
 
 import os
@@ -39,6 +47,9 @@ BOUND = 4e-7
 INT8_BOUND = 4e-7
 INT8_X_BOUND = 8e-3
 INT8_BACKEND_BOUND = 5e-5
+BF16_BOUND = 4e-7
+BF16_X_BOUND = 2e-3
+BF16_BACKEND_BOUND = 5e-5
 SCHEMES = stored_matmul.FORMATS
 
 needs_kernel = pytest.mark.skipif(not stored_matmul.available()[0],
@@ -331,9 +342,141 @@ def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, scheme):
     assert not plain.passed
 
 
+needs_bf16_dot = pytest.mark.skipif(not stored_matmul.bf16_dot_supported()[0],
+                                    reason=f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+
+
+def _bf16_rows(x: np.ndarray) -> np.ndarray:
+    """The values the BF16 dot multiplies, in float64: x rounded to bf16, to nearest even."""
+    import ml_dtypes
+
+    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _bf16(x, w, layer=None):
+    return stored_matmul.matmul(x, w, layer, dot=stored_matmul.Dot.BF16)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("m,n,k", INT8_SHAPES + [(6, 45, 2080), (8, 45, 1056), (40, 130, 3072),
+                                                 (64, 48, 1024)])
+def test_the_bf16_dot_matches_numpy(m, n, k):
+    """Against float64 over the same bf16 rounding of x: only the float32 sums differ
+    (BF16_BOUND); against x itself the rounding's own error (BF16_X_BOUND). Decode rounds of
+    1 to 8 rows (in spans of K at 65 and 33 blocks), long rounds in tiles of 6 x 4, partial
+    tiles and units; a subnormal block beside normal ones (the dot reads it as zero, which
+    moves nothing at the bound)."""
+    x, w, dense = _case(m * 7919 + n * 31 + k, "bf16", m, n, k)
+    if k > quant.BLOCK:
+        x[:, :quant.BLOCK] *= np.float32(1e-40)
+    got = jax.jit(_bf16)(x, w)
+    assert got.shape == (m, n) and got.dtype == jnp.float32 and np.isfinite(got).all()
+    assert _err(got, _bf16_rows(x), dense) <= BF16_BOUND
+    assert _err(got, x, dense) <= BF16_X_BOUND
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("k", [192, 2080])
+def test_the_bf16_dot_is_bitwise_the_same_alone_or_batched(k):
+    """Every output is the same chain over k whatever the tile, so every row count (decode
+    rounds, spans of K, long rounds) gives the same bits."""
+    x, w, _ = _case(13, "bf16", 20, 300, k)
+    call = jax.jit(_bf16)
+    alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20):
+        batched = np.asarray(call(x[:m], w))
+        assert np.array_equal(batched.view(np.uint32), alone[:m].view(np.uint32)), m
+
+
+@needs_bf16_dot
+def test_the_bf16_gate_sees_a_shifted_block_or_truncated_x():
+    """BF16_BOUND is tight enough for the faults it is for: an oracle reading each row's next
+    block, or one whose x is truncated to bf16 instead of rounded, fails it."""
+    x, w, dense = _case(7, "bf16", 3, 40, 192)
+    got = jax.jit(_bf16)(x, w)
+    xb = _bf16_rows(x)
+    assert _err(got, xb, dense) <= BF16_BOUND
+    shifted = np.roll(dense.reshape(len(dense), -1, quant.BLOCK), -1, axis=1).reshape(dense.shape)
+    truncated = (x.view(np.uint32) & np.uint32(0xffff0000)).view(np.float32)
+    assert _err(got, xb, shifted) > 100 * BF16_BOUND
+    assert _err(got, truncated, dense) > 100 * BF16_BOUND
+
+
+@needs_bf16_dot
+def test_the_bf16_dot_keeps_a_nan_or_inf_in_x():
+    """A NaN or inf in a row of x leaves that row's outputs not finite (rounding keeps them);
+    the other rows are untouched."""
+    x, w, _ = _case(9, "bf16", 3, 20, 128)
+    clean = np.asarray(jax.jit(_bf16)(x, w))
+    x[0, 70], x[2, 5] = np.nan, np.inf
+    got = np.asarray(jax.jit(_bf16)(x, w))
+    assert not np.isfinite(got[0]).any() and not np.isfinite(got[2]).any()
+    assert np.array_equal(got[1], clean[1])
+
+
+@needs_kernel
+def test_the_bf16_dot_switch(monkeypatch):
+    """KIPP_JAX_CPU_DOT=bf16 runs BF16 weights on the BF16 dot and leaves the quantized formats
+    on float32; where the CPU or the build has no BF16 dot, the setting is an error naming the
+    variable and why."""
+    xq, wq, _ = _case(4, "q8_0", 2, 24, 64)
+    f32 = np.asarray(stored_matmul.matmul(xq, wq, dot=stored_matmul.Dot.F32))
+    assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq, dot="bf16")), f32)
+    if stored_matmul.bf16_dot_supported()[0]:
+        x, w, _ = _case(4, "bf16", 2, 24, 64)
+        monkeypatch.setenv(stored_matmul.DOT_ENV, "bf16")
+        assert np.array_equal(np.asarray(stored_matmul.matmul(x, w)), np.asarray(_bf16(x, w)))
+        assert not np.array_equal(np.asarray(_bf16(x, w)),
+                                  np.asarray(stored_matmul.matmul(x, w, dot="f32")))
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "bf16")
+    monkeypatch.setattr(stored_matmul, "bf16_dot_supported",
+                        lambda: (False, "this CPU does not report AVX-512 BF16"))
+    with pytest.raises(ValueError, match="KIPP_JAX_CPU_DOT=bf16: this CPU does not report "
+                                         "AVX-512 BF16"):
+        stored_matmul.dot_mode()
+
+
+@pytest.mark.slow  # ~20 s
+@needs_bf16_dot
+def test_the_bf16_dot_at_the_backend(artifacts, monkeypatch):
+    """KIPP_JAX_CPU_DOT=bf16 through the JAX backend on a BF16 artifact, prefill and decode
+    across a block boundary: against the numpy reference whose BF16 projections round x the
+    same way (_bf16_rows) it passes BF16_BACKEND_BOUND; against the plain reference it does
+    not pass the bound between backends (1e-4): the synthetic model amplifies the rounding, as
+    the int8 dot's, which is why the BF16 dot is not the default."""
+    from kipp import gates
+    from kipp.cuda.backend import JaxBackend
+    from kipp.formats.artifact import open_artifact
+    from kipp.formats.quant import GGML_BF16
+    from kipp.reference import ops
+    from kipp.reference.backend import ReferenceBackend
+
+    artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", "bf16"))
+    table = np.random.default_rng(0).permutation(12)[:3]
+    tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "bf16")
+    backend = JaxBackend(artifact, 12, weight_memory="stored")
+    assert backend.plan.cpu_stored and "bf16 dot" in backend.describe()
+    plain = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
+                                logits_rows=30, decode_steps=4, bound=1e-4)
+    linear = ops.linear
+
+    def rounded(x, w):  # a BF16 weight meets bf16-rounded x
+        return linear(_bf16_rows(x).astype(np.float32) if w.ggml_type == GGML_BF16 else x, w)
+
+    monkeypatch.setattr(ops, "linear", rounded)
+    same = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
+                               logits_rows=30, decode_steps=4, bound=BF16_BACKEND_BOUND)
+    print(f"bf16 dot vs reference {plain.metric:.3g}, vs bf16-rounding reference "
+          f"{same.metric:.3g} (worst-row NMSE)")
+    assert same.passed, same.detail
+    assert not plain.passed
+
+
 _SYMBOLS = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4", "affine4_gs32": "Affine4"}
-_DOTS = [(scheme, dot) for scheme in SCHEMES for dot in stored_matmul.Dot
-         if dot is stored_matmul.Dot.F32 or scheme in stored_matmul.INT8_FORMATS]
+_DOTS = [(scheme, dot) for dot in stored_matmul.Dot for scheme in stored_matmul.DOT_FORMATS[dot]]
+_TAILS = {stored_matmul.Dot.F32: "", stored_matmul.Dot.INT8: "Int8",
+          stored_matmul.Dot.BF16: "Bf16Dot"}
 _BUILT: dict[str, str] = {}
 
 
@@ -347,10 +490,10 @@ def _register(isa: str, directory) -> str:
     if isa not in _BUILT:
         library = ctypes.CDLL(str(cpu_matmul.build(directory, isa=isa)))
         for scheme, dot in _DOTS:
-            tail = "Int8" if dot is stored_matmul.Dot.INT8 else ""
+            symbol = f"KippCpuStoredMatmul{_SYMBOLS[scheme]}{_TAILS[dot]}"
             jax.ffi.register_ffi_target(
                 f"kipp_cpu_stored_matmul_{scheme}_{dot.value}_{isa}",
-                jax.ffi.pycapsule(getattr(library, f"KippCpuStoredMatmul{_SYMBOLS[scheme]}{tail}")),
+                jax.ffi.pycapsule(getattr(library, symbol)),
                 platform="cpu")
         cpu_matmul._LIBRARIES.append(library)  # keep its code mapped: XLA holds the handlers
         _BUILT[isa] = isa
@@ -370,8 +513,9 @@ def _call_build(isa, scheme, dot, x, w):
 def test_the_fallback_paths_give_the_same_bits(tmp_path_factory, isa):
     """The kernel built for AVX-512 + VNNI, for AVX2 + FMA, and for the baseline x86-64 set
     (plain C++ decode, std::fma), registered under its own target names: bitwise the build
-    this CPU loaded (cpu_matmul.cpu_isa()), every scheme and both dots (the int8 dot's plain
-    lanes vs vpdpbusd), decode and prefill row counts. The AMX build's BF16 dot runs on the
+    this CPU loaded (cpu_matmul.cpu_isa()), every scheme and every dot it has (the int8 dot's
+    plain lanes vs vpdpbusd; the BF16 dot, in the AVX-512 builds only), decode and prefill row
+    counts. The AMX build's BF16 dot runs on the
     tile unit, its own numerics (test_the_amx_bf16_dot_*): its FMA-chain reference is the
     AVX-512 build. (Skipped off x86, for the loaded build and for one this CPU cannot run.)"""
     import platform
@@ -388,6 +532,9 @@ def test_the_fallback_paths_give_the_same_bits(tmp_path_factory, isa):
     directory = tmp_path_factory.mktemp("builds")
     suffix = _register(isa, directory)
     for scheme, dot in _DOTS:
+        if dot is stored_matmul.Dot.BF16 and (isa != "avx512_vnni"
+                                              or not stored_matmul.bf16_dot_supported()[0]):
+            continue  # only the AVX-512 builds have the BF16 dot (the AMX build's is the same)
         tiles = loaded is cpu_matmul.Isa.AMX and scheme == "bf16" and dot is stored_matmul.Dot.F32
         if tiles and isa == "avx512_vnni":
             continue  # the AMX build's tile dot is the reference's own numerics, not these
@@ -433,7 +580,8 @@ def test_the_matvec_benchmark_reports_every_scheme_and_dot():
 
 @needs_kernel
 def test_the_step_matmuls_benchmark_reports_every_scheme_and_row_count():
-    """`python -m kipp.cuda.bench --step-matmuls`, at the tiny shape: one line per scheme,
+    """`python -m kipp.cuda.bench --step-matmuls`, at the tiny shape: one line per scheme and
+    dot (the float32 dot; int8 for the quantized schemes; bf16 for BF16 where this CPU has it),
     each row count a positive time within its own range."""
     import re
 
@@ -441,7 +589,11 @@ def test_the_step_matmuls_benchmark_reports_every_scheme_and_row_count():
 
     lines = bench.step_matmuls("kipp-synthetic/qwen3-tiny", m_values=(1, 3),
                                repeats=2).splitlines()[1:]
-    assert [line.split()[0] for line in lines] == list(SCHEMES)
+    bf16 = stored_matmul.bf16_dot_supported()[0]
+    want = [(s, d.value) for s in SCHEMES for d in stored_matmul.Dot
+            if d is stored_matmul.Dot.F32 or (s in stored_matmul.DOT_FORMATS[d]
+                                              and (d is not stored_matmul.Dot.BF16 or bf16))]
+    assert [tuple(line.split()[:2]) for line in lines] == want
     for line in lines:
         cells = re.findall(r"M=(\d+): +([\d.]+) \[([\d.]+)-([\d.]+)\]", line)
         assert [int(m) for m, *_ in cells] == [1, 3], line

@@ -38,3 +38,13 @@ extern "C" int KippCpuIsa() {
 #endif
   return 0;  // portable
 }
+
+// Whether the CPU runs AVX-512 BF16 dot products (vdpbf16ps): the BF16 dot of the AVX-512 builds.
+extern "C" int KippCpuAvx512Bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+  return 0;
+#endif
+}

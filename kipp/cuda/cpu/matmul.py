@@ -50,7 +50,8 @@ TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDeco
            "kipp_cpu_stored_matmul_affine4_gs32": "KippCpuStoredMatmulAffine4",
            "kipp_cpu_stored_matmul_q8_0_int8": "KippCpuStoredMatmulQ8_0Int8",
            "kipp_cpu_stored_matmul_scale4_gs32_int8": "KippCpuStoredMatmulScale4Int8",
-           "kipp_cpu_stored_matmul_affine4_gs32_int8": "KippCpuStoredMatmulAffine4Int8"}
+           "kipp_cpu_stored_matmul_affine4_gs32_int8": "KippCpuStoredMatmulAffine4Int8",
+           "kipp_cpu_stored_matmul_bf16_bf16": "KippCpuStoredMatmulBf16Bf16Dot"}
 ENV = "KIPP_JAX_CPU_MATMUL"
 FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fPIC", "-shared")
 COMPILERS = ("c++", "g++", "clang++")
@@ -205,9 +206,20 @@ def widest_isa() -> Isa:
     baseline-compiled probe (isa.cc); NATIVE elsewhere."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return Isa.NATIVE
-    probe = _compile((PROBE,), (), ("-O2", "-fPIC", "-shared"), (), platform.machine(),
-                     _home() / "build", "cpu_isa")
-    return X86_ORDER[ctypes.CDLL(str(probe)).KippCpuIsa()]
+    return X86_ORDER[ctypes.CDLL(str(_probe())).KippCpuIsa()]
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU reports AVX-512 BF16 (isa.cc's probe; False off x86)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    return bool(ctypes.CDLL(str(_probe())).KippCpuAvx512Bf16())
+
+
+def _probe() -> Path:
+    return _compile((PROBE,), (), ("-O2", "-fPIC", "-shared"), (), platform.machine(),
+                    _home() / "build", "cpu_isa")
 
 
 def _home() -> Path:

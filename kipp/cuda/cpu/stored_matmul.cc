@@ -22,8 +22,8 @@
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations
 // whatever the tile, the row count or the thread split, so a row's result is bitwise the same
 // alone or batched. The activation stays float32 (no int8 rounding): only the summation order
-// differs from the float64 oracle. The int8 dot (Dot::kInt8, below) rounds x first: its own
-// numerics, every row count alike.
+// differs from the float64 oracle. The int8 dot (Dot::kInt8, below) rounds x to int8 per block
+// first, the BF16 dot (Dot::kBf16, below) to bf16: their own numerics, every row count alike.
 #include <limits>
 
 #include "kernels.h"
@@ -367,8 +367,8 @@ constexpr int64_t DecodeWidth(int64_t rows) {
 // from L2 for every W row. Rows that fit are not split: a span's end parks every chain and
 // breaks the W stream for nothing. A span is a multiple of kScaleRun blocks.
 constexpr int64_t kL1Bytes = 32 << 10, kSpanBytes = 16 << 10;
-inline int64_t SpanBlocks(int64_t rows, int64_t blocks) {
-  const int64_t block_bytes = rows * kBlock * static_cast<int64_t>(sizeof(float));
+inline int64_t SpanBlocks(int64_t rows, int64_t blocks, int64_t x_bytes = sizeof(float)) {
+  const int64_t block_bytes = rows * kBlock * x_bytes;
   if (blocks * block_bytes <= kL1Bytes) return blocks;
   return std::max(kScaleRun, kSpanBytes / block_bytes / kScaleRun * kScaleRun);
 }
@@ -488,7 +488,7 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
 // dx = max |x| / 127 (q = round(x / dx)); a weight block's dot is then exact integer
 // arithmetic (vpdpbusd where the CPU has AVX-512 VNNI), scaled once by d * dx in float32. A
 // pair of blocks (64 weights) fills one 512-bit vector: 16 int32 lanes of 4 products each.
-enum class Dot { kF32, kInt8 };
+enum class Dot { kF32, kInt8, kBf16 };
 
 constexpr int64_t kPair = 2 * kBlock;
 
@@ -690,6 +690,148 @@ void QUnit(const QPair* x, const void* w, const uint16_t* d, const uint16_t* m, 
   }
 }
 
+// ---- The BF16 dot (Dot::kBf16): BF16 weights against x rounded to bf16 ----
+// As a GPU's tensor cores (and llama.cpp's BF16 dot) do it: each row of x rounded to bf16 once
+// a call (to nearest, ties to even: ml_dtypes' rounding), then vdpbf16ps multiplies 32 bf16
+// pairs into 16 float32 lanes, twice the multiply-adds of a float32 FMA per instruction, the
+// weights read in place with nothing to decode. Output y[m][n] is one 16-lane chain over k
+// (lane j adds the exact products at k = 32 i + 2 j + 1, then 32 i + 2 j, each add rounded,
+// subnormals read and written as zero; in i order), then Sum16: the same operations
+// whatever the tile, the row count or the thread split, so a row is bitwise the same alone or
+// batched. Built where the build has AVX-512 (the instructions compiled for AVX-512 BF16 alone)
+// and run only where the CPU reports AVX-512 BF16 (checked per call).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KIPP_BF16_DOT 1
+#define KIPP_BF16_TARGET __attribute__((target("avx512bf16")))
+
+// x [count] -> bf16 bits, to nearest even (a NaN stays a quiet NaN), 16 at a time (count a
+// multiple of 16: K is of 32). Not vcvtne2ps2bf16: it flushes subnormals, which ml_dtypes'
+// rounding keeps (vdpbf16ps then reads them as zero).
+inline void RoundBf16Row(const float* x, int64_t count, uint16_t* out) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+  for (int64_t i = 0; i < count; i += 16) {
+    const __m512i u = _mm512_loadu_si512(x + i);
+    const __m512i top = _mm512_srli_epi32(u, 16);
+    const __m512i even = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(top, one))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), inf);
+    const __m512i bits = _mm512_mask_or_epi32(even, nan, top, _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bits));
+  }
+}
+
+inline void PinI(__m512i& v) { asm("" : "+v"(v)); }
+
+// Whether a tile of R x rows prefetches the W rows ahead (PrefetchAhead). One or two rows' short
+// loop bodies ran slower with it than on the hardware prefetcher alone (one sequential stream
+// a thread); from three rows, slower without it.
+constexpr bool Bf16DotPrefetch(int rows) { return rows > 2; }
+
+// R rows of bf16 x against W rows n0 .. n0 + C - 1, blocks [b0, b1) of K, chains carried across
+// spans as FusedTile's: each W vector (32 weights) and each x vector held in a register across
+// the tile.
+template <int R, int C>
+KIPP_BF16_TARGET void Bf16DotTile(const uint16_t* x, int64_t k, const uint16_t* w, int64_t n0,
+                                  int64_t b0, int64_t b1, v16* carry, float* y, int64_t ldy) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = b0 == 0 ? _mm512_setzero_ps() : reinterpret_cast<__m512>(carry[r * C + c]);
+  for (int64_t b = b0; b < b1; ++b) {
+    if constexpr (Bf16DotPrefetch(R)) {
+      PrefetchAhead<Format::kBf16, C>(w, nullptr, nullptr, n0 + kPrefetchTiles * C, b, blocks);
+    }
+    __m512i wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + ((n0 + c) * blocks + b) * kBlock);
+    for (int r = 0; r < R; ++r) {
+      __m512i xv = _mm512_loadu_si512(x + r * k + b * kBlock);
+      PinI(xv);
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(xv),
+                                     reinterpret_cast<__m512bh>(wv[c]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      if (b1 < blocks) {
+        carry[r * C + c] = reinterpret_cast<v16>(acc[r][c]);
+      } else {
+        y[r * ldy + n0 + c] = Sum16(reinterpret_cast<v16>(acc[r][c]));
+      }
+    }
+}
+
+// Tiles of R x rows by C W rows: R * C chains, C weight vectors and one x vector in AVX-512's
+// 32 registers (nullptr for shapes that would spill).
+constexpr int Bf16DotWidth(int rows) { return std::min(4, 30 / (rows + 1)); }
+using Bf16DotFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t,
+                           v16*, float*, int64_t);
+template <int R, int C>
+constexpr Bf16DotFn Bf16DotPick() {
+  if constexpr (C <= Bf16DotWidth(R)) return Bf16DotTile<R, C>;
+  return nullptr;
+}
+template <int R>
+struct Bf16DotRow {
+  static constexpr Bf16DotFn kTiles[kFusedCols] = {Bf16DotPick<R, 1>(), Bf16DotPick<R, 2>(),
+                                                   Bf16DotPick<R, 3>(), Bf16DotPick<R, 4>()};
+};
+constexpr const Bf16DotFn* kBf16DotTiles[kFusedRows] = {
+    Bf16DotRow<1>::kTiles, Bf16DotRow<2>::kTiles, Bf16DotRow<3>::kTiles, Bf16DotRow<4>::kTiles,
+    Bf16DotRow<5>::kTiles, Bf16DotRow<6>::kTiles, Bf16DotRow<7>::kTiles, Bf16DotRow<8>::kTiles};
+
+// W rows a decode round's tile takes: one up to kStreamRows x rows (as the float32 dot: wider
+// tiles' interleaved streams ran slower), else two, whose dots would otherwise wait on each
+// chain's latency (wider ones ran slower again).
+constexpr int64_t Bf16DecodeWidth(int64_t rows) { return rows <= kStreamRows ? 1 : 2; }
+constexpr int64_t kBf16LongRows = 6;  // a long round's x rows per tile (by 4 W rows)
+
+// Unit u of the BF16 dot: W rows [u * group, ...) against every bf16 x row. A decode round (up
+// to kFusedRows rows) is one x tile over spans of K that keep its rows in L1; a longer round
+// runs tiles of 6 x rows by 4 W rows over whole rows, the group's W rows (L2-sized) re-read
+// from L2 by each x tile.
+KIPP_BF16_TARGET void Bf16DotUnit(const uint16_t* x, const uint16_t* w, float* y, int64_t rows,
+                                  int64_t k, int64_t n, int64_t group, int64_t u) {
+  const int64_t first = u * group, count = std::min(group, n - first), blocks = k / kBlock;
+  if (rows <= kFusedRows) {
+    const int64_t width = Bf16DecodeWidth(rows);
+    const int64_t span = SpanBlocks(rows, blocks, sizeof(uint16_t));
+    alignas(64) v16 carry[kGroup * kFusedRows];
+    for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+      const int64_t b1 = std::min(blocks, b0 + span);
+      for (int64_t c = 0; c < count; c += width) {
+        const int64_t tc = std::min(width, count - c);
+        kBf16DotTiles[rows - 1][tc - 1](x, k, w, first + c, b0, b1, carry + c * rows, y, n);
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < rows; r += kBf16LongRows) {
+    const int64_t tr = std::min(kBf16LongRows, rows - r);
+    for (int64_t c = 0; c < count; c += kTile) {
+      const int64_t tc = std::min(kTile, count - c);
+      kBf16DotTiles[tr - 1][tc - 1](x + r * k, k, w, first + c, 0, blocks, nullptr,
+                                    y + r * n, n);
+    }
+  }
+}
+
+// W rows per unit of the BF16 dot: kGroup for a decode round; for a longer one as many as fill
+// about kScratchBytes of BF16 rows, which stay in L2 while every x tile passes over them.
+inline int64_t Bf16DotGroup(int64_t rows, int64_t k) {
+  if (rows <= kFusedRows) return kGroup;
+  const int64_t fit = kScratchBytes / (k * static_cast<int64_t>(sizeof(uint16_t)));
+  return std::max(kGroup, std::min<int64_t>(8 * kGroup, fit / kTile * kTile));
+}
+
+inline bool HasBf16Dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KIPP_AVX2 1
 #include "stored_avx2.h"  // this build's Unit and QUnit, in 8-float halves
@@ -733,6 +875,26 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
   float* yp = y->typed_data();
   if (rows == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if constexpr (D == Dot::kBf16) {
+    static_assert(F == Format::kBf16, "the BF16 dot reads BF16 weights");
+#if defined(KIPP_BF16_DOT)
+    if (HasBf16Dot()) {
+      std::unique_ptr<uint16_t, decltype(&std::free)> xs(
+          static_cast<uint16_t*>(std::aligned_alloc(64, rows * k * sizeof(uint16_t) + 64)),
+          &std::free);
+      if (!xs) throw std::bad_alloc();
+      RoundBf16Row(xp, rows * k, xs.get());
+      const uint16_t *xsp = xs.get(), *w16 = static_cast<const uint16_t*>(wp);
+      const int64_t group = Bf16DotGroup(rows, k), units = (n + group - 1) / group;
+      kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
+        Bf16DotUnit(xsp, w16, yp, rows, k, n, group, u);
+      });
+      return ffi::Error::Success();
+    }
+#endif
+    return ffi::Error::Internal(
+        "kipp_cpu_stored_matmul: the bf16 dot needs a CPU with AVX-512 BF16 (KIPP_JAX_CPU_DOT)");
+  }
   if constexpr (D == Dot::kInt8) {
     const int64_t pairs = (blocks + 1) / 2, group = rows <= 2 * kQRows ? kGroup : 4 * kGroup;
     std::unique_ptr<QPair, decltype(&std::free)> q(
@@ -821,6 +983,15 @@ ffi::Error Quantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
                 m ? static_cast<const uint16_t*>(m->untyped_data()) : nullptr, layer, y);
 }
 
+ffi::Error Bf16Bf16Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  if (!Is16(w, ffi::DataType::BF16)) {
+    return ffi::Error::InvalidArgument("kipp_cpu_stored_matmul: bf16 w must be BF16 or uint16");
+  }
+  return Run<Format::kBf16, Dot::kBf16>(pool, x, w.untyped_data(), w.dimensions(), 2, nullptr,
+                                        nullptr, layer, y);
+}
+
 ffi::Error Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                 ffi::AnyBuffer d, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   return Quantized<Format::kQ8_0>(pool, x, w, d, nullptr, layer, y);
@@ -859,6 +1030,14 @@ ffi::Error Affine4Int8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulBf16, Bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w: BF16 (or its bits)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KippCpuStoredMatmulBf16Bf16Dot, Bf16Bf16Dot,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x

@@ -25,6 +25,12 @@ AVX2's vpmaddubsw where that is the widest): about twice the compute rate per co
 faster than the float32 dot at 4 bits on AVX2 only at some shapes; each row still bitwise the
 same alone or batched, but the rounding moves the logits outside the JAX backend's calibrated
 bounds (docs/backends.md).
+
+Dot.BF16 (KIPP_JAX_CPU_DOT=bf16, opt-in, a CPU with AVX-512 BF16) rounds each row of x to bf16
+for BF16 weights and runs vdpbf16ps over the weights in place: twice the multiply-adds per
+instruction, so a decode round of several rows costs about its weight stream and a prefill
+chunk runs faster; each row bitwise the same alone or batched, the rounding outside the
+calibrated bounds as the int8 dot's (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -44,14 +50,36 @@ FORMATS = ("bf16", "q8_0", "scale4_gs32", "affine4_gs32")
 
 
 class Dot(str, enum.Enum):
-    """How a row of x meets the weights: float32 as it is (the default), or quantized to int8
-    per 32-block first (the quantized formats; bf16 keeps float32), an integer dot per block."""
+    """How a row of x meets the weights: float32 as it is (the default); quantized to int8 per
+    32-block first, an integer dot per block (the quantized formats); or rounded to bf16, a
+    BF16 dot product (BF16 weights, on a CPU with AVX-512 BF16). A format a dot does not name
+    keeps float32."""
 
     F32 = "f32"
     INT8 = "int8"
+    BF16 = "bf16"
 
 
 INT8_FORMATS = ("q8_0", "scale4_gs32", "affine4_gs32")
+DOT_FORMATS = {Dot.F32: FORMATS, Dot.INT8: INT8_FORMATS, Dot.BF16: ("bf16",)}
+
+
+def target(fmt: str, dot: Dot) -> str:
+    """The FFI target that runs `fmt` under `dot` (the float32 one where `dot` leaves `fmt`
+    as it is)."""
+    suffix = f"_{dot.value}" if dot is not Dot.F32 and fmt in DOT_FORMATS[dot] else ""
+    return f"kipp_cpu_stored_matmul_{fmt}{suffix}"
+
+
+def bf16_dot_supported() -> tuple[bool, str]:
+    """(True, "") where the loaded build runs the BF16 dot (AVX-512 with the CPU reporting
+    AVX-512 BF16), else (False, why)."""
+    isa = cpu_matmul.cpu_isa()
+    if isa not in (cpu_matmul.Isa.AVX512_VNNI, cpu_matmul.Isa.AMX):
+        return False, f"the {isa.value} build has no BF16 dot (it needs AVX-512 BF16)"
+    if not cpu_matmul.cpu_has_avx512_bf16():
+        return False, "this CPU does not report AVX-512 BF16"
+    return True, ""
 
 
 def dot_mode() -> Dot:
@@ -59,10 +87,15 @@ def dot_mode() -> Dot:
     variable for a value it does not know."""
     value = os.environ.get(DOT_ENV, Dot.F32.value)
     try:
-        return Dot(value)
+        dot = Dot(value)
     except ValueError:
         raise ValueError(f"{DOT_ENV}={value!r}: expected one of "
                          f"{', '.join(d.value for d in Dot)}") from None
+    if dot is Dot.BF16:
+        ok, why = bf16_dot_supported()
+        if not ok:
+            raise ValueError(f"{DOT_ENV}=bf16: {why}")
+    return dot
 
 
 def available() -> tuple[bool, str]:
@@ -74,8 +107,8 @@ def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | None = None) -> jax.A
     """x [M, K] float32 @ W^T -> [M, N] float32, W a "device"-layout Linear of one of FORMATS
     (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes
     stacked over layers `[L, ...]` and read at `layer` (the kernel indexes the stack: no
-    copy). `dot` (default: dot_mode()) Dot.INT8 quantizes x per block for the quantized
-    formats."""
+    copy). `dot` (default: dot_mode()): Dot.INT8 quantizes x per block for the quantized
+    formats, Dot.BF16 rounds it to bf16 for BF16 weights."""
     if w.fmt not in FORMATS:
         raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
     ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
@@ -86,6 +119,5 @@ def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | None = None) -> jax.A
         planes, layer = [a[None] for a in planes], 0
     out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
     dot = Dot(dot) if dot is not None else dot_mode()
-    suffix = "_int8" if dot is Dot.INT8 and w.fmt in INT8_FORMATS else ""
-    return jax.ffi.ffi_call(f"kipp_cpu_stored_matmul_{w.fmt}{suffix}", out)(
+    return jax.ffi.ffi_call(target(w.fmt, dot), out)(
         x.astype(jnp.float32), *planes, jnp.asarray(layer, jnp.int32).reshape(1))
