@@ -136,7 +136,7 @@ def cmd_run(args, argv) -> int:
                       _mapping(args.expect_path, "--expect-path").items()},
         results=Path(args.results), logs=Path(args.logs), ceiling=not args.no_ceiling,
         ceiling_size_mb=args.ceiling_mb, timeout=args.timeout, command=_command(argv),
-        weight_memory=_list(args.weight_memory))
+        weight_memory=_list(args.weight_memory), cpu_dots=_list(args.cpu_dot))
     paths = runner.run(config)
     from bench.report import summary_lines
 
@@ -348,6 +348,8 @@ def _add_run_command(sub) -> None:
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
     p.add_argument("--weight-memory", default="", help="Kipp arms per weight layout, comma "
                    "list of stored,float32 (default: each backend's auto choice)")
+    p.add_argument("--cpu-dot", default="", help="Kipp arms per dot of the stored CPU matmul, "
+                   "comma list of f32,int8,bf16 ($KIPP_JAX_CPU_DOT; default: its own)")
 
 
 def _add_record_commands(sub) -> None:

@@ -88,10 +88,12 @@ def interleave(arms: list[str], total: dict[str, int]) -> list[tuple[int, str]]:
 
 def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends: list[str],
          threads: int, context: int, expect_paths: dict[str, tuple[str, ...]] | None = None,
-         mlx_root: Path | None = None, weight_memory: list[str] | None = None) -> list[ArmSpec]:
+         mlx_root: Path | None = None, weight_memory: list[str] | None = None,
+         cpu_dots: list[str] | None = None) -> list[ArmSpec]:
     """Every arm to run, grouped by scheme in `schemes` order, engines in the order given.
     `weight_memory` ("stored", "float32"): one Kipp arm per backend and mode (kipp.memory);
-    none given: each backend's own choice ("auto")."""
+    none given: each backend's own choice ("auto"). `cpu_dots` ("f32", "int8", "bf16"): one
+    Kipp arm per dot of the stored CPU matmul as well ($KIPP_JAX_CPU_DOT at load)."""
     from kipp.formats import store
 
     expect_paths = expect_paths or {}
@@ -104,6 +106,7 @@ def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends:
                            context=context)
             if name == "kipp":
                 modes = [{"weight_memory": m} for m in weight_memory or []] or [{}]
+                modes = [{**m, "cpu_dot": d} for m in modes for d in cpu_dots or []] or modes
                 arms += [replace(base, backend=b, artifact=artifact, options=mode,
                                  expect_path=expected_path(b, expect_paths.get(b)))
                          for b in backends for mode in modes]

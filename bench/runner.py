@@ -49,6 +49,7 @@ class RunConfig:
     timeout: float = 1800.0  # seconds one measured run may take
     command: str = ""
     weight_memory: list[str] = field(default_factory=list)  # Kipp arms per mode (kipp.memory)
+    cpu_dots: list[str] = field(default_factory=list)  # Kipp arms per stored CPU matmul dot
 
 
 @dataclass
@@ -82,7 +83,8 @@ def prepare_states(config: RunConfig, selected) -> list[ArmState]:
                         [int(o.value) for o in config.overrides if o.key == "decode_tokens"])
     specs = arm_plan.plan(config.checkpoint, config.engines, config.schemes, config.backends,
                           config.threads, context_for(selected, decode_tokens),
-                          config.expect_paths, weight_memory=config.weight_memory)
+                          config.expect_paths, weight_memory=config.weight_memory,
+                          cpu_dots=config.cpu_dots)
     states, probed = [], {}
     for spec in specs:
         python = config.pythons.get(spec.engine, sys.executable)

@@ -3,6 +3,7 @@ report. Fast and peer-free: every Kipp run uses the tiny synthetic checkpoint.""
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -496,3 +497,25 @@ def test_the_spec_prediction_uses_the_compile_reports_step_times():
             gains = [r["speedup"] for r in sorted(rows, key=lambda r: r["acceptance"])
                      if r["machine"] == machine and r["target"] == target]
             assert len(gains) == 3 and gains == sorted(gains) and gains[-1] > 2
+
+
+def test_kipp_arms_per_cpu_dot_load_with_that_dot(artifacts, monkeypatch):
+    """`bench run --cpu-dot f32,bf16`: one Kipp arm per dot, named by it; each loads with
+    $KIPP_JAX_CPU_DOT set to its dot (the backend says which it runs) and restores the
+    caller's setting after the load."""
+    from bench.engines.kipp_engine import KippEngine
+    from kipp.cuda.cpu import stored_matmul
+
+    planned = arms.plan(TINY, ["kipp"], ["bf16"], ["jax"], threads=1, context=64,
+                        weight_memory=["stored"], cpu_dots=["f32", "int8"])
+    assert [a.name for a in planned] == ["kipp-jax/bf16 (stored weights, f32 dot)",
+                                         "kipp-jax/bf16 (stored weights, int8 dot)"]
+    if not stored_matmul.available()[0]:
+        pytest.skip(stored_matmul.available()[1])
+    dot = "bf16" if stored_matmul.bf16_dot_supported()[0] else "int8"
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "f32")
+    spec = ArmSpec("kipp", "bf16", TINY, backend="jax", artifact=str(artifacts(TINY, "bf16")),
+                   context=64, options={"weight_memory": "stored", "cpu_dot": dot},
+                   expect_path=("twin",))
+    described = KippEngine(spec).load()["describe"]
+    assert f"({dot} dot)" in described and os.environ[stored_matmul.DOT_ENV] == "f32"

@@ -37,6 +37,8 @@ class ArmSpec:
         own = self.options.get("own_quant")
         if "weight_memory" in self.options:  # Kipp arms that differ by weight layout
             own = f"{self.options['weight_memory']} weights"
+        if "cpu_dot" in self.options:  # or by the stored CPU matmul's dot
+            own = ", ".join(filter(None, [own, f"{self.options['cpu_dot']} dot"]))
         return f"{engine}/{self.scheme}" + (f" ({own})" if own else "")
 
     def to_json(self) -> dict:

@@ -23,22 +23,28 @@ class KippEngine(Engine):
         import os
 
         import kipp
+        from kipp.cuda.cpu.stored_matmul import DOT_ENV
         from kipp.probe import FALLBACK_ENV
 
         spec = self.spec
         options = {k: v for k, v in spec.options.items() if k == "weight_memory"}
-        # a kernel that fails its probe (at load) fails the arm, loudly; the switch is restored
-        # after the load, so an in-process caller (the tests) keeps its own setting
-        previous = os.environ.get(FALLBACK_ENV)
-        os.environ[FALLBACK_ENV] = "0"
+        # a kernel that fails its probe (at load) fails the arm, loudly; the arm's dot is read
+        # at load. Both switches are restored after it, so an in-process caller (the tests)
+        # keeps its own settings
+        switches = {FALLBACK_ENV: "0"}
+        if "cpu_dot" in spec.options:
+            switches[DOT_ENV] = spec.options["cpu_dot"]
+        previous = {name: os.environ.get(name) for name in switches}
+        os.environ.update(switches)
         try:
             self.model = kipp.load(spec.artifact, backend=spec.backend, kv_tokens=spec.context,
                                    progress=False, **options)
         finally:
-            if previous is None:
-                del os.environ[FALLBACK_ENV]
-            else:
-                os.environ[FALLBACK_ENV] = previous
+            for name, value in previous.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
         described = self.model.backend.describe()
         check_kernel_path(spec.backend, spec.scheme, described, spec.expect_path)
         return {"describe": described, "backend": self.model.backend.name,

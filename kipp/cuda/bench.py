@@ -325,30 +325,36 @@ def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(
                         else jnp.stack([getattr(w, p) for w in layers])
                         for p in ("w", "d", "m")), fmt=fmt)
 
-    def step(xs, planes, head):  # each product summed: XLA drops a call whose result goes unused
-        outs = [stored_matmul.matmul(xs[k], w, layer=layer).sum()
+    def step(xs, planes, head, dot):  # each product summed: XLA drops a call left unused
+        outs = [stored_matmul.matmul(xs[k], w, layer=layer, dot=dot).sum()
                 for layer in range(entry.layers) for (_, k), w in zip(shapes, planes)]
-        return sum(outs) + stored_matmul.matmul(xs[h], head).sum()
+        return sum(outs) + stored_matmul.matmul(xs[h], head, dot=dot).sum()
 
-    call = jax.jit(step)
+    call = jax.jit(step, static_argnums=3)
     inputs = {m: {k: jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
                   for k in {h, a, f}} for m in m_values}
     head = _stored_planes(rng, "bf16", VOCAB_SIZE, h)  # the embedding, tied or not: BF16
     weights = {fmt: ([stacked(fmt, n, k) for n, k in shapes],
                      head) for fmt in schemes}
-    times = {(fmt, m): [] for fmt in schemes for m in m_values}
-    for fmt, m in times:
-        jax.block_until_ready(call(inputs[m], *weights[fmt]))  # compile
+    # each scheme under the float32 dot and each other dot that changes it (the BF16 dot
+    # where this CPU runs it); under the BF16 dot a quantized scheme's head is the one change
+    dots = [d for d in stored_matmul.Dot
+            if d is not stored_matmul.Dot.BF16 or stored_matmul.bf16_dot_supported()[0]]
+    arms = [(fmt, d) for fmt in schemes for d in dots
+            if d is stored_matmul.Dot.F32 or fmt in stored_matmul.DOT_FORMATS[d]]
+    times = {(fmt, d, m): [] for fmt, d in arms for m in m_values}
+    for fmt, d, m in times:
+        jax.block_until_ready(call(inputs[m], *weights[fmt], d))  # compile
     for _ in range(repeats):
-        for (fmt, m), got in times.items():
-            got += _timed(lambda: jax.block_until_ready(call(inputs[m], *weights[fmt])), 1)
+        for (fmt, d, m), got in times.items():
+            got += _timed(lambda: jax.block_until_ready(call(inputs[m], *weights[fmt], d)), 1)
     lines = [f"{checkpoint}: one step's projections through the stored CPU matmul, ms (median "
              f"[min-max] of {repeats}, interleaved; load {os.getloadavg()[0]:.1f})"]
-    for fmt in schemes:
-        cells = [f"M={m}: {statistics.median(times[fmt, m]) * 1e3:6.1f} "
-                 f"[{min(times[fmt, m]) * 1e3:.1f}-{max(times[fmt, m]) * 1e3:.1f}]"
+    for fmt, d in arms:
+        cells = [f"M={m}: {statistics.median(times[fmt, d, m]) * 1e3:6.1f} "
+                 f"[{min(times[fmt, d, m]) * 1e3:.1f}-{max(times[fmt, d, m]) * 1e3:.1f}]"
                  for m in m_values]
-        lines.append(f"  {fmt:13} " + "  ".join(cells))
+        lines.append(f"  {fmt:13} {d.value:4} " + "  ".join(cells))
     return "\n".join(lines)
 
 
