@@ -44,6 +44,7 @@ constexpr int64_t kKvHeads = 8;
 constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a prefill chunk)
 constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
 constexpr int64_t kAhead = 16;      // rows prefetched ahead of the one being widened
+constexpr int64_t kGroupRows = 4;   // positions a decode unit widens at a time (16 KB of float32)
 constexpr int64_t kUnitsPerThread = 2;  // a decode round's units per thread, at least
 // The fewest KV heads a decode unit reads a position's span of (DecodeUnit); a round with too
 // few sequences to fill the threads that way (one sequence on two threads: 2 heads, 512 bytes
@@ -69,15 +70,48 @@ inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-// scores[0, n) -> their softmax, in place: one code for every unit, so the same bits.
+// exp(x) for x <= 0 (a score less the row's largest): 2**n times a degree-6 polynomial of the
+// remainder (Cody-Waite: x = n ln 2 + r, |r| <= ln 2 / 2), within 3 ulp of the exact value on
+// [-87, 0]; 0 below (e**-87 is 1.6e-38, nothing beside the row's largest term, 1). Plain
+// arithmetic with explicit fused multiply-adds and no branch, so the loops over it vectorize:
+// libm's expf, a call per score, was most of a decode round's softmax.
+inline float ExpNonPositive(float x) {
+  const float n = std::nearbyint(std::max(x, -87.0f) * 1.44269504f);
+  float r = std::fma(n, -0.693145752f, std::max(x, -87.0f));  // ln 2's high part: n r exact
+  r = std::fma(n, -1.42860677e-6f, r);                          // and its low part
+  float poly = 1.38888889e-3f;                                  // 1/720 .. 1: e**r's series
+  poly = std::fma(poly, r, 8.33333377e-3f);
+  poly = std::fma(poly, r, 4.16666679e-2f);
+  poly = std::fma(poly, r, 1.66666672e-1f);
+  poly = std::fma(poly, r, 0.5f);
+  poly = std::fma(poly, r, 1.0f);
+  poly = std::fma(poly, r, 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2**n, n in -126 .. 0
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.0f ? 0.0f : poly * scale;
+}
+
+// scores[0, n) -> their softmax, in place: one code for every unit, so the same bits. The sum
+// runs in 16 lanes (lane j: scores j, j + 16, ...), then a fixed tree.
 inline void Softmax(float* scores, int64_t n) {
   const float top = *std::max_element(scores, scores + n);
-  float total = 0.0f;
-  for (int64_t p = 0; p < n; ++p) {
-    scores[p] = std::exp(scores[p] - top);
-    total += scores[p];
+  float lanes[16] = {};
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) {
+    for (int j = 0; j < 16; ++j) {
+      scores[p + j] = ExpNonPositive(scores[p + j] - top);
+      lanes[j] += scores[p + j];
+    }
   }
-  for (int64_t p = 0; p < n; ++p) scores[p] /= total;
+  for (int j = 0; p + j < n; ++j) {
+    scores[p + j] = ExpNonPositive(scores[p + j] - top);
+    lanes[j] += scores[p + j];
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  const float total = lanes[0];
+  for (int64_t i = 0; i < n; ++i) scores[i] /= total;
 }
 
 struct Problem {
@@ -188,20 +222,21 @@ struct Problem {
   }
 
   // A decode round's unit: sequence s's one query (queries == 1), KV heads [g0, g0 + count).
-  // Positions in order, each position's `count` heads (one contiguous span of its row: the
-  // heads of a position sit side by side) widened at once for all their query heads, so the
-  // unit reads one stream where a unit per KV head read 256 bytes every 2 KB. Each query head's
-  // arithmetic is Unit's: the same dot chains, softmax and position-ordered sums, so the same
-  // bits.
+  // Positions in order, kGroupRows at a time, each position's `count` heads (one contiguous span
+  // of its row: the heads of a position sit side by side) widened at once for all their query
+  // heads, so the unit reads one stream where a unit per KV head read 256 bytes every 2 KB; a
+  // query head's vector (its accumulator, for V) is loaded once for the group's positions. Each
+  // query head's arithmetic is Unit's: the same dot chains, softmax and position-ordered sums,
+  // so the same bits.
   void DecodeUnit(int64_t s, int64_t g0, int64_t count, std::vector<float>& scores,
-                  std::vector<v8>& acc, float* row) const {
+                  std::vector<v8>& acc, float* rows_buffer) const {
     const int64_t limit = table_width * kBlock, width = count * kHeadDim;
     const int64_t reach = std::min<int64_t>(pos[s], limit - 1) + 1;  // 0: a padding query
     const int64_t rows = count * group, first_head = g0 * group;
     const float* query = q + (s * heads + first_head) * kHeadDim;
     scores.resize(rows * std::max<int64_t>(reach, 1));
     acc.assign(rows * kVectors, v8{});
-    auto widen = [&](const uint16_t* slab, int64_t p) {  // position p's heads into `row`
+    auto widen = [&](const uint16_t* slab, int64_t p, float* row) {  // p's heads into `row`
       if (p + kAhead < limit) {
         const char* ahead = reinterpret_cast<const char*>(Row(slab, s, p + kAhead, g0));
         for (int64_t line = 0; line < count * kRowBytes; line += 64) {
@@ -218,46 +253,61 @@ struct Problem {
       for (int64_t j = 0; j < width / 8; ++j) Store(row + 8 * j, Widen(bits + 8 * j));
 #endif
     };
-    for (int64_t p = 0; p < reach; ++p) {
-      widen(k, p);
+    for (int64_t p0 = 0; p0 < reach; p0 += kGroupRows) {
+      const int64_t n = std::min(kGroupRows, reach - p0);
+      for (int64_t i = 0; i < n; ++i) widen(k, p0 + i, rows_buffer + i * width);
       for (int64_t r = 0; r < rows; ++r) {
         const float* qh = query + r * kHeadDim;
-        const float* key = row + (r / group) * kHeadDim;
-        v8 even = v8{}, odd = v8{};
+        const float* key = rows_buffer + (r / group) * kHeadDim;
+        for (int64_t i = 0; i < n; ++i, key += width) {
+          v8 even = v8{}, odd = v8{};
 #if defined(__AVX512F__)
-        // the even chain in the low 8 lanes, the odd one in the high 8: the same FMAs
-        __m512 both = _mm512_setzero_ps();
-        for (int64_t j = 0; j < kVectors; j += 2) {
-          both = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 8 * j), _mm512_loadu_ps(key + 8 * j), both);
-        }
-        even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
-        odd = reinterpret_cast<v8>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both),
-                                                                            1)));
+          // the even chain in the low 8 lanes, the odd one in the high 8: the same FMAs
+          __m512 both = _mm512_setzero_ps();
+          for (int64_t j = 0; j < kVectors; j += 2) {
+            both = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 8 * j), _mm512_loadu_ps(key + 8 * j),
+                                   both);
+          }
+          even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
+          odd = reinterpret_cast<v8>(
+              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1)));
 #else
-        for (int64_t j = 0; j < kVectors; j += 2) {
-          even = Fma(Load(qh + 8 * j), Load(key + 8 * j), even);
-          odd = Fma(Load(qh + 8 * j + 8), Load(key + 8 * j + 8), odd);
-        }
+          for (int64_t j = 0; j < kVectors; j += 2) {
+            even = Fma(Load(qh + 8 * j), Load(key + 8 * j), even);
+            odd = Fma(Load(qh + 8 * j + 8), Load(key + 8 * j + 8), odd);
+          }
 #endif
-        scores[r * reach + p] = Sum(even + odd) * scale;
+          scores[r * reach + p0 + i] = Sum(even + odd) * scale;
+        }
       }
     }
     for (int64_t r = 0; r < rows && reach > 0; ++r) Softmax(scores.data() + r * reach, reach);
-    for (int64_t p = 0; p < reach; ++p) {
-      widen(v, p);
+    for (int64_t p0 = 0; p0 < reach; p0 += kGroupRows) {
+      const int64_t n = std::min(kGroupRows, reach - p0);
+      for (int64_t i = 0; i < n; ++i) widen(v, p0 + i, rows_buffer + i * width);
       for (int64_t r = 0; r < rows; ++r) {
-        const float* value = row + (r / group) * kHeadDim;
+        const float* value = rows_buffer + (r / group) * kHeadDim;
+        const float* weights = scores.data() + r * reach + p0;
         v8* a = acc.data() + r * kVectors;
 #if defined(__AVX512F__)  // two of the 8-lane sums per instruction, each lane's FMAs the same
         float* af = reinterpret_cast<float*>(a);
-        const __m512 w = _mm512_set1_ps(scores[r * reach + p]);
-        for (int64_t j = 0; j < kVectors; j += 2) {
-          _mm512_storeu_ps(af + 8 * j, _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 8 * j),
-                                                       _mm512_loadu_ps(af + 8 * j)));
+        __m512 sum[kVectors / 2];
+        for (int64_t j = 0; j < kVectors; j += 2) sum[j / 2] = _mm512_loadu_ps(af + 8 * j);
+        for (int64_t i = 0; i < n; ++i, value += width) {
+          const __m512 w = _mm512_set1_ps(weights[i]);
+          for (int64_t j = 0; j < kVectors; j += 2) {
+            sum[j / 2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 8 * j), sum[j / 2]);
+          }
         }
+        for (int64_t j = 0; j < kVectors; j += 2) _mm512_storeu_ps(af + 8 * j, sum[j / 2]);
 #else
-        const v8 w = Broadcast(scores[r * reach + p]);
-        for (int64_t j = 0; j < kVectors; ++j) a[j] = Fma(w, Load(value + 8 * j), a[j]);
+        v8 sum[kVectors];
+        for (int64_t j = 0; j < kVectors; ++j) sum[j] = a[j];
+        for (int64_t i = 0; i < n; ++i, value += width) {
+          const v8 w = Broadcast(weights[i]);
+          for (int64_t j = 0; j < kVectors; ++j) sum[j] = Fma(w, Load(value + 8 * j), sum[j]);
+        }
+        for (int64_t j = 0; j < kVectors; ++j) a[j] = sum[j];
 #endif
       }
     }
@@ -304,8 +354,8 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, ffi::Span<const int64_t>
     kipp::ParallelFor(pool, sequences * pieces, 1, [&problem, pieces, count](int64_t u) {
       thread_local std::vector<float> scores;
       thread_local std::vector<v8> acc;
-      thread_local std::vector<float> row(kKvHeads * kHeadDim);
-      problem.DecodeUnit(u / pieces, (u % pieces) * count, count, scores, acc, row.data());
+      thread_local std::vector<float> rows(kGroupRows * kKvHeads * kHeadDim);
+      problem.DecodeUnit(u / pieces, (u % pieces) * count, count, scores, acc, rows.data());
     });
     return ffi::Error::Success();
   }
