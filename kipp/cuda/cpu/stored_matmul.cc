@@ -353,10 +353,11 @@ constexpr int FusedWidth(int rows) {
 }
 // W rows a decode round's tiles take. BF16 takes one W row at a time for up to kStreamRows x
 // rows (a row's decode is cheap next to its bytes); a round of more x rows takes two, whose
-// FMAs would otherwise wait on each chain's latency. q8_0, whose decode costs more, takes two
-// at every row count, so two decodes overlap. The 4-bit tiles, bound by their table decode,
-// take FusedWidth. Which W rows share a tile changes no output's chain.
-constexpr int64_t kStreamRows = 4;
+// FMAs would otherwise wait on each chain's latency (from 4 rows: at 3, two ran no faster).
+// q8_0, whose decode costs more, takes two at every row count, so two decodes overlap. The
+// 4-bit tiles, bound by their table decode, take FusedWidth. Which W rows share a tile changes
+// no output's chain.
+constexpr int64_t kStreamRows = 3;
 template <Format F>
 constexpr int64_t DecodeWidth(int64_t rows) {
   return F == Format::kBf16 && rows <= kStreamRows ? 1 : FusedWidth<F>(rows);
@@ -782,10 +783,11 @@ constexpr const Bf16DotFn* kBf16DotTiles[kFusedRows] = {
     Bf16DotRow<1>::kTiles, Bf16DotRow<2>::kTiles, Bf16DotRow<3>::kTiles, Bf16DotRow<4>::kTiles,
     Bf16DotRow<5>::kTiles, Bf16DotRow<6>::kTiles, Bf16DotRow<7>::kTiles, Bf16DotRow<8>::kTiles};
 
-// W rows a decode round's tile takes: one up to kStreamRows x rows (as the float32 dot: wider
-// tiles' interleaved streams ran slower), else two, whose dots would otherwise wait on each
-// chain's latency (wider ones ran slower again).
-constexpr int64_t Bf16DecodeWidth(int64_t rows) { return rows <= kStreamRows ? 1 : 2; }
+// W rows a decode round's tile takes: one up to 4 x rows (wider tiles' interleaved streams ran
+// slower: vdpbf16ps leaves a short loop body), else two, whose dots would otherwise wait on
+// each chain's latency (wider ones ran slower again).
+constexpr int64_t kBf16StreamRows = 4;
+constexpr int64_t Bf16DecodeWidth(int64_t rows) { return rows <= kBf16StreamRows ? 1 : 2; }
 constexpr int64_t kBf16LongRows = 6;  // a long round's x rows per tile (by 4 W rows)
 
 // Unit u of the BF16 dot: W rows [u * group, ...) against every bf16 x row. A decode round (up
