@@ -26,7 +26,7 @@ bf16 rounding of x (ml_dtypes, _bf16_rows) max 4e-8 of the magnitude, BF16_BOUND
 against x itself at most the rounding's half ulp, 2**-9 of the magnitude (measured 8e-4),
 BF16_X_BOUND = 2e-3. Planted, truncating x instead of rounding it gave 2e-3 against _bf16_rows
 and a W vector read one block ahead 1.5: both failed BF16_BOUND. Through the backend against
-the reference with the same rounding, worst-row NMSE 4.46e-6 (against the plain reference
+the reference with the same rounding, worst-row NMSE 4.2e-6 to 4.5e-6 (against the plain reference
 3.5e-4), BF16_BACKEND_BOUND = 5e-5.
 """
 
@@ -181,36 +181,6 @@ INT8_SHAPES = [(1, 1, 32), (1, 37, 64), (2, 16, 96), (3, 21, 128), (4, 64, 256),
 
 @needs_kernel
 @pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
-@pytest.mark.parametrize("m,n,k", INT8_SHAPES)
-def test_the_int8_dot_matches_numpy(scheme, m, n, k):
-    """Against float64 over the same int8 rounding of x (numpy's, _int8_rows): only the
-    float32 scale products and sums differ (INT8_BOUND); against x itself the rounding's own
-    error (INT8_X_BOUND). Odd block counts leave a half pair; 1 to 4 rows a tile."""
-    x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
-    if k > quant.BLOCK:  # a subnormal block beside normal ones: 1 / its dx is inf
-        x[:, :quant.BLOCK] *= np.float32(1e-40)
-    got = jax.jit(_int8)(x, w)
-    assert got.shape == (m, n) and got.dtype == jnp.float32 and np.isfinite(got).all()
-    assert _err(got, _int8_rows(x), dense) <= INT8_BOUND
-    assert _err(got, x, dense) <= INT8_X_BOUND
-
-
-@needs_kernel
-@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
-def test_the_int8_dot_is_bitwise_the_same_alone_or_batched(scheme):
-    """Each row is quantized alone and every output is the same chain over the pairs, so
-    every row count gives the same bits (the float32 dot's decode rounds and scratch tiles do
-    not come into it)."""
-    x, w, _ = _case(12, scheme, 20, 300, 224)  # 7 blocks: a half pair at the end
-    call = jax.jit(_int8)
-    alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
-    for m in (2, 3, 4, 5, 8, 9, 12, 20):
-        batched = np.asarray(call(x[:m], w))
-        assert np.array_equal(batched.view(np.uint32), alone[:m].view(np.uint32)), m
-
-
-@needs_kernel
-@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
 def test_the_int8_gate_sees_a_shifted_block_or_a_wrong_scale(scheme):
     """INT8_BOUND is tight enough for the faults it is for (and both, planted in the kernel,
     failed it): an oracle reading each row's next block, or with the first scale doubled."""
@@ -299,49 +269,6 @@ def test_the_jax_backend_runs_every_scheme_through_it(artifacts, monkeypatch, sc
         assert result.passed, result.detail
 
 
-@pytest.mark.slow  # ~20 s a scheme
-@needs_kernel
-@pytest.mark.parametrize("scheme", stored_matmul.INT8_FORMATS)
-def test_the_int8_dot_at_the_backend(artifacts, monkeypatch, scheme):
-    """KIPP_JAX_CPU_DOT=int8 through the JAX backend, prefill and decode across a block
-    boundary: against the numpy reference whose quantized projections round x the same way
-    (_int8_rows) it passes INT8_BACKEND_BOUND; against the plain reference it does not pass
-    even the bound between backends (1e-4): the rounding itself is what the synthetic model
-    amplifies, which is why the int8 dot is not the default."""
-    from kipp import gates
-    from kipp.cuda.backend import JaxBackend
-    from kipp.formats.artifact import open_artifact
-    from kipp.reference import ops
-    from kipp.reference.backend import ReferenceBackend
-
-    artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", scheme))
-    table = np.random.default_rng(0).permutation(12)[:3]
-    tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
-    # the float32 dot's steps compiled first at the same shapes: the dot is part of the shared
-    # program key (kipp.cuda.backend._PROGRAMS), so the int8 backend must not reuse them
-    gates.gate_backends(ReferenceBackend(artifact, 12), JaxBackend(artifact, 12,
-                        weight_memory="stored"), tokens, table, logits_rows=30, decode_steps=4,
-                        bound=1e-4)
-    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
-    backend = JaxBackend(artifact, 12, weight_memory="stored")
-    assert backend.plan.cpu_stored and "int8 dot" in backend.describe()
-    plain = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
-                                logits_rows=30, decode_steps=4, bound=1e-4)
-    linear = ops.linear
-
-    def rounded(x, w):  # a quantized weight (under 2 bytes a weight) meets int8-rounded x
-        quantized = w.raw.size < 2 * np.prod(w.shape)
-        return linear(_int8_rows(x).astype(np.float32) if quantized else x, w)
-
-    monkeypatch.setattr(ops, "linear", rounded)
-    same = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
-                               logits_rows=30, decode_steps=4, bound=INT8_BACKEND_BOUND)
-    print(f"{scheme}: int8 dot vs reference {plain.metric:.3g}, vs int8 reference "
-          f"{same.metric:.3g} (worst-row NMSE)")
-    assert same.passed, same.detail
-    assert not plain.passed
-
-
 needs_bf16_dot = pytest.mark.skipif(not stored_matmul.bf16_dot_supported()[0],
                                     reason=f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
 
@@ -357,31 +284,49 @@ def _bf16(x, w, layer=None):
     return stored_matmul.matmul(x, w, layer, dot=stored_matmul.Dot.BF16)
 
 
-@needs_bf16_dot
+# A dot that rounds x: what numpy's rounding of x gives in float64, its bound against that and
+# its bound against x itself.
+_ROUNDING = {stored_matmul.Dot.INT8: (_int8_rows, INT8_BOUND, INT8_X_BOUND),
+             stored_matmul.Dot.BF16: (_bf16_rows, BF16_BOUND, BF16_X_BOUND)}
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme,dot", [(s, stored_matmul.Dot.INT8)
+                                        for s in stored_matmul.INT8_FORMATS]
+                         + [("bf16", stored_matmul.Dot.BF16)])
 @pytest.mark.parametrize("m,n,k", INT8_SHAPES + [(6, 45, 2080), (8, 45, 1056), (40, 130, 3072),
                                                  (64, 48, 1024)])
-def test_the_bf16_dot_matches_numpy(m, n, k):
-    """Against float64 over the same bf16 rounding of x: only the float32 sums differ
-    (BF16_BOUND); against x itself the rounding's own error (BF16_X_BOUND). Decode rounds of
-    1 to 8 rows (in spans of K at 65 and 33 blocks), long rounds in tiles of 6 x 4, partial
-    tiles and units; a subnormal block beside normal ones (the dot reads it as zero, which
-    moves nothing at the bound)."""
-    x, w, dense = _case(m * 7919 + n * 31 + k, "bf16", m, n, k)
+def test_a_rounding_dot_matches_numpy(scheme, dot, m, n, k):
+    """Against float64 over the same rounding of x (numpy's: _int8_rows, _bf16_rows): only the
+    float32 products and sums differ (INT8_BOUND, BF16_BOUND); against x itself the rounding's
+    own error (the X bounds). The int8 dot's odd block counts leave a half pair; the BF16 dot's
+    decode rounds of 1 to 8 rows run in spans of K at 65 and 33 blocks, its long rounds in
+    tiles of 6 x 4; partial tiles and units. A subnormal block beside normal ones: 1 / its dx
+    is inf for the int8 rounding, and vdpbf16ps reads it as zero (nothing at the bound)."""
+    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
+        pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+    rows, bound, x_bound = _ROUNDING[dot]
+    x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
     if k > quant.BLOCK:
         x[:, :quant.BLOCK] *= np.float32(1e-40)
-    got = jax.jit(_bf16)(x, w)
+    got = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))(x, w)
     assert got.shape == (m, n) and got.dtype == jnp.float32 and np.isfinite(got).all()
-    assert _err(got, _bf16_rows(x), dense) <= BF16_BOUND
-    assert _err(got, x, dense) <= BF16_X_BOUND
+    assert _err(got, rows(x), dense) <= bound
+    assert _err(got, x, dense) <= x_bound
 
 
-@needs_bf16_dot
-@pytest.mark.parametrize("k", [192, 2080])
-def test_the_bf16_dot_is_bitwise_the_same_alone_or_batched(k):
-    """Every output is the same chain over k whatever the tile, so every row count (decode
-    rounds, spans of K, long rounds) gives the same bits."""
-    x, w, _ = _case(13, "bf16", 20, 300, k)
-    call = jax.jit(_bf16)
+@needs_kernel
+@pytest.mark.parametrize("scheme,dot,k", [(s, stored_matmul.Dot.INT8, 224)
+                                          for s in stored_matmul.INT8_FORMATS]
+                         + [("bf16", stored_matmul.Dot.BF16, k) for k in (192, 2080)])
+def test_a_rounding_dot_is_bitwise_the_same_alone_or_batched(scheme, dot, k):
+    """Each row is rounded alone and every output is the same chain whatever the tile, so
+    every row count gives the same bits: the int8 dot's pairs (224: 7 blocks, a half pair at
+    the end), the BF16 dot's decode rounds, spans of K (at 2080) and long rounds."""
+    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
+        pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+    x, w, _ = _case(12, scheme, 20, 300, k)
+    call = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))
     alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20):
         batched = np.asarray(call(x[:m], w))
@@ -436,14 +381,18 @@ def test_the_bf16_dot_switch(monkeypatch):
         stored_matmul.dot_mode()
 
 
-@pytest.mark.slow  # ~20 s
-@needs_bf16_dot
-def test_the_bf16_dot_at_the_backend(artifacts, monkeypatch):
-    """KIPP_JAX_CPU_DOT=bf16 through the JAX backend on a BF16 artifact, prefill and decode
-    across a block boundary: against the numpy reference whose BF16 projections round x the
-    same way (_bf16_rows) it passes BF16_BACKEND_BOUND; against the plain reference it does
-    not pass the bound between backends (1e-4): the synthetic model amplifies the rounding, as
-    the int8 dot's, which is why the BF16 dot is not the default."""
+@pytest.mark.slow  # ~20 s a scheme
+@needs_kernel
+@pytest.mark.parametrize("scheme,dot", [(s, stored_matmul.Dot.INT8)
+                                        for s in stored_matmul.INT8_FORMATS]
+                         + [("bf16", stored_matmul.Dot.BF16)])
+def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, dot):
+    """KIPP_JAX_CPU_DOT=int8 (the quantized schemes) or bf16 (BF16) through the JAX backend,
+    prefill and decode across a block boundary: against the numpy reference whose projections
+    round x the same way where the dot does (_int8_rows for quantized weights, _bf16_rows for
+    BF16 ones) it passes INT8_BACKEND_BOUND or BF16_BACKEND_BOUND; against the plain
+    reference it does not pass even the bound between backends (1e-4): the rounding itself is
+    what the synthetic model amplifies, which is why neither dot is the default."""
     from kipp import gates
     from kipp.cuda.backend import JaxBackend
     from kipp.formats.artifact import open_artifact
@@ -451,23 +400,37 @@ def test_the_bf16_dot_at_the_backend(artifacts, monkeypatch):
     from kipp.reference import ops
     from kipp.reference.backend import ReferenceBackend
 
-    artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", "bf16"))
+    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
+        pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+    artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", scheme))
     table = np.random.default_rng(0).permutation(12)[:3]
     tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
-    monkeypatch.setenv(stored_matmul.DOT_ENV, "bf16")
+    # the float32 dot's steps compiled first at the same shapes: the dot is part of the shared
+    # program key (kipp.cuda.backend._PROGRAMS), so the rounding backend must not reuse them
+    gates.gate_backends(ReferenceBackend(artifact, 12), JaxBackend(artifact, 12,
+                        weight_memory="stored"), tokens, table, logits_rows=30, decode_steps=4,
+                        bound=1e-4)
+    monkeypatch.setenv(stored_matmul.DOT_ENV, dot.value)
     backend = JaxBackend(artifact, 12, weight_memory="stored")
-    assert backend.plan.cpu_stored and "bf16 dot" in backend.describe()
+    assert backend.plan.cpu_stored and f"{dot.value} dot" in backend.describe()
     plain = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
                                 logits_rows=30, decode_steps=4, bound=1e-4)
     linear = ops.linear
+    rows, _, _ = _ROUNDING[dot]
 
-    def rounded(x, w):  # a BF16 weight meets bf16-rounded x
-        return linear(_bf16_rows(x).astype(np.float32) if w.ggml_type == GGML_BF16 else x, w)
+    def rounds(w):  # the weights the dot rounds x for
+        if dot is stored_matmul.Dot.BF16:
+            return w.ggml_type == GGML_BF16
+        return w.raw.size < 2 * np.prod(w.shape)  # quantized: under 2 bytes a weight
+
+    def rounded(x, w):
+        return linear(rows(x).astype(np.float32) if rounds(w) else x, w)
 
     monkeypatch.setattr(ops, "linear", rounded)
+    bound = INT8_BACKEND_BOUND if dot is stored_matmul.Dot.INT8 else BF16_BACKEND_BOUND
     same = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
-                               logits_rows=30, decode_steps=4, bound=BF16_BACKEND_BOUND)
-    print(f"bf16 dot vs reference {plain.metric:.3g}, vs bf16-rounding reference "
+                               logits_rows=30, decode_steps=4, bound=bound)
+    print(f"{scheme}: {dot.value} dot vs reference {plain.metric:.3g}, vs the same rounding "
           f"{same.metric:.3g} (worst-row NMSE)")
     assert same.passed, same.detail
     assert not plain.passed
