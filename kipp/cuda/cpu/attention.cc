@@ -70,42 +70,22 @@ inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-// exp(x) for x <= 0 (a score less the row's largest): 2**n times a degree-6 polynomial of the
-// remainder (Cody-Waite: x = n ln 2 + r, |r| <= ln 2 / 2), within 3 ulp of the exact value on
-// [-87, 0]; 0 below (e**-87 is 1.6e-38, nothing beside the row's largest term, 1). Plain
-// arithmetic with explicit fused multiply-adds and no branch, so the loops over it vectorize:
-// libm's expf, a call per score, was most of a decode round's softmax.
-inline float ExpNonPositive(float x) {
-  const float n = std::nearbyint(std::max(x, -87.0f) * 1.44269504f);
-  float r = std::fma(n, -0.693145752f, std::max(x, -87.0f));  // ln 2's high part: n r exact
-  r = std::fma(n, -1.42860677e-6f, r);                          // and its low part
-  float poly = 1.38888889e-3f;                                  // 1/720 .. 1: e**r's series
-  poly = std::fma(poly, r, 8.33333377e-3f);
-  poly = std::fma(poly, r, 4.16666679e-2f);
-  poly = std::fma(poly, r, 1.66666672e-1f);
-  poly = std::fma(poly, r, 0.5f);
-  poly = std::fma(poly, r, 1.0f);
-  poly = std::fma(poly, r, 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2**n, n in -126 .. 0
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.0f ? 0.0f : poly * scale;
-}
-
 // scores[0, n) -> their softmax, in place: one code for every unit, so the same bits. The sum
-// runs in 16 lanes (lane j: scores j, j + 16, ...), then a fixed tree.
+// runs in 16 lanes (lane j: scores j, j + 16, ...), then a fixed tree, not one chain of adds.
+// libm's exp, not a vectorized polynomial: one within 3 ulp moved batched and isolated rows
+// apart past the JAX backend's batched gate (tests/test_gates.py).
 inline void Softmax(float* scores, int64_t n) {
   const float top = *std::max_element(scores, scores + n);
   float lanes[16] = {};
   int64_t p = 0;
   for (; p + 16 <= n; p += 16) {
     for (int j = 0; j < 16; ++j) {
-      scores[p + j] = ExpNonPositive(scores[p + j] - top);
+      scores[p + j] = std::exp(scores[p + j] - top);
       lanes[j] += scores[p + j];
     }
   }
   for (int j = 0; p + j < n; ++j) {
-    scores[p + j] = ExpNonPositive(scores[p + j] - top);
+    scores[p + j] = std::exp(scores[p + j] - top);
     lanes[j] += scores[p + j];
   }
   for (int w = 8; w >= 1; w /= 2)
