@@ -204,7 +204,7 @@ def cpu_isa() -> Isa:
 def widest_isa() -> Isa:
     """The widest build this CPU runs: on x86 asked of the CPU (and, for AMX, of the OS) by a
     baseline-compiled probe (isa.cc); NATIVE elsewhere."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    if not _x86():
         return Isa.NATIVE
     return X86_ORDER[ctypes.CDLL(str(_probe())).KippCpuIsa()]
 
@@ -212,12 +212,15 @@ def widest_isa() -> Isa:
 @functools.lru_cache(maxsize=1)
 def cpu_has_avx512_bf16() -> bool:
     """Whether this CPU reports AVX-512 BF16 (isa.cc's probe; False off x86)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return False
-    return bool(ctypes.CDLL(str(_probe())).KippCpuAvx512Bf16())
+    return _x86() and bool(ctypes.CDLL(str(_probe())).KippCpuAvx512Bf16())
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _probe() -> Path:
+    """isa.cc built for the baseline set (it loads on any x86 CPU, and asks it)."""
     return _compile((PROBE,), (), ("-O2", "-fPIC", "-shared"), (), platform.machine(),
                     _home() / "build", "cpu_isa")
 

@@ -430,11 +430,12 @@ constexpr TileFn kTiles[kLongRows][kTile] = {
     {Tile<6, 1>, Tile<6, 2>, Tile<6, 3>, Tile<6, 4>}};
 
 // W rows per work unit: kGroup for a decode round; for a long round as many as fill about
-// kScratchBytes of float32 scratch (L2-sized), so x, re-read once per unit, streams less often.
+// kScratchBytes (L2-sized) at `w_bytes` a weight (the float32 scratch's 4; the BF16 dot's rows,
+// read in place, 2), so x, re-read once per unit, streams less often.
 constexpr int64_t kScratchBytes = 256 << 10;
-inline int64_t Group(int64_t rows, int64_t k) {
+inline int64_t Group(int64_t rows, int64_t k, int64_t w_bytes = sizeof(float)) {
   if (rows <= kFusedRows) return kGroup;
-  const int64_t fit = kScratchBytes / (k * static_cast<int64_t>(sizeof(float)));
+  const int64_t fit = kScratchBytes / (k * w_bytes);
   return std::max(kGroup, std::min<int64_t>(8 * kGroup, fit / kTile * kTile));
 }
 
@@ -820,14 +821,6 @@ KIPP_BF16_TARGET void Bf16DotUnit(const uint16_t* x, const uint16_t* w, float* y
   }
 }
 
-// W rows per unit of the BF16 dot: kGroup for a decode round; for a longer one as many as fill
-// about kScratchBytes of BF16 rows, which stay in L2 while every x tile passes over them.
-inline int64_t Bf16DotGroup(int64_t rows, int64_t k) {
-  if (rows <= kFusedRows) return kGroup;
-  const int64_t fit = kScratchBytes / (k * static_cast<int64_t>(sizeof(uint16_t)));
-  return std::max(kGroup, std::min<int64_t>(8 * kGroup, fit / kTile * kTile));
-}
-
 inline bool HasBf16Dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -882,12 +875,12 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
 #if defined(KIPP_BF16_DOT)
     if (HasBf16Dot()) {
       std::unique_ptr<uint16_t, decltype(&std::free)> xs(
-          static_cast<uint16_t*>(std::aligned_alloc(64, rows * k * sizeof(uint16_t) + 64)),
+          static_cast<uint16_t*>(std::aligned_alloc(64, rows * k * sizeof(uint16_t))),
           &std::free);
       if (!xs) throw std::bad_alloc();
       RoundBf16Row(xp, rows * k, xs.get());
       const uint16_t *xsp = xs.get(), *w16 = static_cast<const uint16_t*>(wp);
-      const int64_t group = Bf16DotGroup(rows, k), units = (n + group - 1) / group;
+      const int64_t group = Group(rows, k, sizeof(uint16_t)), units = (n + group - 1) / group;
       kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
         Bf16DotUnit(xsp, w16, yp, rows, k, n, group, u);
       });
