@@ -651,6 +651,10 @@ void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const u
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
   for (int64_t p = 0; p < pairs; ++p) {
+    // the tiles ahead, as FusedTile's: C interleaved row streams outrun the hardware prefetcher
+    for (int64_t b = 2 * p; b < std::min(2 * p + 2, blocks); ++b) {
+      PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
+    }
     PairBytes a[C];
     v16 dv[C], mv[C] = {};
     for (int c = 0; c < C; ++c) LoadPair<F>(w, d, m, n0 + c, p, blocks, a + c, dv + c, mv + c);
