@@ -124,7 +124,7 @@ inline float Half(uint16_t h) {
 
 enum class Format { kBf16, kQ8_0, kScale4, kAffine4 };
 
-constexpr int64_t kScaleRun = 16;  // blocks whose 4-bit scales a decode tile converts at once
+constexpr int64_t kScaleRun = 16;  // blocks whose scales a narrow decode tile converts at once
 
 #if defined(__AVX512F__)
 // *h as float32 in every lane: one broadcast and one conversion (Half's exact value).
@@ -156,10 +156,10 @@ inline void DecodeNibbles(const uint8_t* q, __m512 scale, __m512 low, v16* lo, v
   *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
 }
 
-// A decode tile's 4-bit scales (and affine4's m) kScaleRun blocks at a time, converted to
-// float32 in one instruction per row (Half's exact values): each block's table multiply then
-// broadcasts its scale from memory, where a broadcast and a conversion per block took two of
-// the shuffles that bound the 4-bit tiles.
+// A decode tile's scales (and affine4's m) kScaleRun blocks at a time, converted to float32 in
+// one instruction per row (Half's exact values): each block's multiply then broadcasts its
+// scale from memory, where a broadcast and a conversion per block took two of the shuffles
+// that bound the narrow quantized tiles.
 inline void HalfRun(const uint16_t* h, int64_t count, float* out) {
   const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
   _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, h)));
@@ -285,9 +285,10 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = b0 == 0 ? Broadcast16(0.0f) : carry[r * C + c];
 #if defined(KIPP_SCALE_RUNS)
-  // the scale runs pay in the narrow rounds, where the tables' shuffles bound the tile; a
-  // wider round's accumulators leave no registers for them
-  constexpr bool kRuns = kSharedHalves<F> && R <= 2;
+  // the scale runs pay in the narrow rounds, where the decode's shuffles bound the tile (the
+  // 4-bit tables; q8_0's widening of every block's bytes, at one x row); a wider round's
+  // accumulators leave no registers for them
+  constexpr bool kRuns = (kSharedHalves<F> && R <= 2) || (F == Format::kQ8_0 && R == 1);
   float ds[kRuns ? C : 1][kScaleRun], ms[kRuns && F == Format::kAffine4 ? C : 1][kScaleRun];
 #endif
   for (int64_t b = b0; b < b1; ++b) {
@@ -308,7 +309,14 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
         for (int c = 0; c < C; ++c) {
           v16 lo, hi;
 #if defined(KIPP_SCALE_RUNS)
-          if constexpr (kRuns) {
+          if constexpr (kRuns && F == Format::kQ8_0) {  // DecodeBlock's, its d from the run
+            const __m512 scale = _mm512_set1_ps(ds[c][b % kScaleRun]);
+            const int8_t* q = static_cast<const int8_t*>(w) + ((n0 + c) * blocks + b) * kBlock;
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kLanes * h));
+            const v16 out = reinterpret_cast<v16>(
+                _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))));
+            lo = out, hi = out;
+          } else if constexpr (kRuns) {
             const __m512 low = F == Format::kAffine4 ? _mm512_set1_ps(ms[c][b % kScaleRun])
                                                       : _mm512_setzero_ps();
             DecodeNibbles<F>(static_cast<const uint8_t*>(w) + ((n0 + c) * blocks + b) * 16,
