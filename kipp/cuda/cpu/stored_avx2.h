@@ -7,7 +7,9 @@
 // per output is two 8-lane chains here (lanes 0-7 and 8-15 of each 16-weight step), each fed
 // in k order, then Sum16's add tree; so each output's bits equal the AVX-512 and plain builds'
 // (tests/test_cpu_stored_matmul.py builds each and compares them bitwise). Tiles are sized for
-// AVX2's 16 vector registers: two accumulators per output.
+// AVX2's 16 vector registers: two accumulators per output. Decode tiles prefetch the W rows
+// a few tiles ahead (stored_matmul.cc's PrefetchAhead): side-by-side row streams outrun the
+// hardware prefetcher here too.
 #ifndef KIPP_CUDA_CPU_STORED_AVX2_H_
 #define KIPP_CUDA_CPU_STORED_AVX2_H_
 
@@ -71,6 +73,7 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);  // as FusedTile's
     for (int c = 0; c < C; ++c) {
       __m256 wv[4];
       Decode<F>(w, d, m, (n0 + c) * blocks + b, wv);
@@ -239,6 +242,11 @@ void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const u
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
+    // C side-by-side rows are prefetched, as FusedTile's; one row's sequential stream ran
+    // slower with it
+    for (int64_t b = 2 * p; C > 1 && b < std::min(2 * p + 2, blocks); ++b) {
+      PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
+    }
     for (int c = 0; c < C; ++c) {
       Pair a;
       LoadPair<F>(w, d, m, n0 + c, p, blocks, &a);
