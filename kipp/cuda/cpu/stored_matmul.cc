@@ -292,7 +292,11 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
   float ds[kRuns ? C : 1][kScaleRun], ms[kRuns && F == Format::kAffine4 ? C : 1][kScaleRun];
 #endif
   for (int64_t b = b0; b < b1; ++b) {
-    PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
+    // A BF16 tile of one x row reads one W row: a thread's one sequential stream, which the
+    // hardware prefetcher follows and the prefetches only slowed (from two x rows they pay)
+    if constexpr (F != Format::kBf16 || R > 1) {
+      PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
+    }
 #if defined(KIPP_SCALE_RUNS)
     if (kRuns && b % kScaleRun == 0) {  // spans start at multiples of kScaleRun blocks
       const int64_t run = std::min(kScaleRun, blocks - b);
