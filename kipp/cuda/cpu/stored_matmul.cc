@@ -156,6 +156,14 @@ inline void DecodeNibbles(const uint8_t* q, __m512 scale, __m512 low, v16* lo, v
   *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
 }
 
+// A q8_0 block [32 int8] as float32, d * q (exact): `scale` is d in every lane.
+inline void DecodeQ8(const int8_t* q, __m512 scale, v16* lo, v16* hi) {
+  const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+  *lo = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l))));
+  *hi = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h))));
+}
+
 // A decode tile's scales (and affine4's m) kScaleRun blocks at a time, converted to float32 in
 // one instruction per row (Half's exact values): each block's multiply then broadcasts its
 // scale from memory, where a broadcast and a conversion per block took two of the shuffles
@@ -182,12 +190,7 @@ inline void DecodeBlock(const void* w, const uint16_t* d, const uint16_t* m, int
     *lo = reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(l), 16));
     *hi = reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (F == Format::kQ8_0) {
-    const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
-    const __m512 scale = HalfBroadcast(d + at);
-    const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
-    *lo = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l))));
-    *hi = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h))));
+    DecodeQ8(static_cast<const int8_t*>(w) + at * kBlock, HalfBroadcast(d + at), lo, hi);
   } else {
     const __m512 low = F == Format::kAffine4 ? HalfBroadcast(m + at) : _mm512_setzero_ps();
     DecodeNibbles<F>(static_cast<const uint8_t*>(w) + at * 16, HalfBroadcast(d + at), low, lo,
@@ -313,13 +316,9 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
         for (int c = 0; c < C; ++c) {
           v16 lo, hi;
 #if defined(KIPP_SCALE_RUNS)
-          if constexpr (kRuns && F == Format::kQ8_0) {  // DecodeBlock's, its d from the run
-            const __m512 scale = _mm512_set1_ps(ds[c][b % kScaleRun]);
-            const int8_t* q = static_cast<const int8_t*>(w) + ((n0 + c) * blocks + b) * kBlock;
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kLanes * h));
-            const v16 out = reinterpret_cast<v16>(
-                _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))));
-            lo = out, hi = out;
+          if constexpr (kRuns && F == Format::kQ8_0) {
+            DecodeQ8(static_cast<const int8_t*>(w) + ((n0 + c) * blocks + b) * kBlock,
+                     _mm512_set1_ps(ds[c][b % kScaleRun]), &lo, &hi);
           } else if constexpr (kRuns) {
             const __m512 low = F == Format::kAffine4 ? _mm512_set1_ps(ms[c][b % kScaleRun])
                                                       : _mm512_setzero_ps();
@@ -664,6 +663,7 @@ void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const u
     for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
   for (int64_t p = 0; p < pairs; ++p) {
     // the tiles ahead, as FusedTile's: C interleaved row streams outrun the hardware prefetcher
+    // (written out here: a helper the compiler did not inline spilled every accumulator)
     for (int64_t b = 2 * p; b < std::min(2 * p + 2, blocks); ++b) {
       PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
     }
