@@ -43,7 +43,6 @@ from bench import provenance, records, stats
 TARGET = "kipp-synthetic/qwen3-0.6b-shape"
 AGREE = (95, 70, 30)
 MAC = ("M4 Max (546 GB/s)", 546e9, 34e12)  # bandwidth and BF16 peak (vendor figures)
-SIZES = (3, 7, 15)
 RETRIES = 4  # runs of one arm and round while each compiles a step shape it had not met
 GOALS = {"speedup_at_70_single": 1.8, "floor": 0.95}
 
@@ -179,8 +178,10 @@ def _h200_steps(entries) -> dict | None:
 def predict(acceptances=(0.95, 0.7, 0.3), draft="Qwen/Qwen3-0.6B",
             targets=("Qwen/Qwen3-8B", "Qwen/Qwen3-32B")) -> list[dict]:
     """The batch-1 BF16 speed-up per machine, target and acceptance (module docstring)."""
+    from kipp.engine.draft import MODEL_GATE
     from kipp.formats import registry
 
+    sizes = MODEL_GATE["sizes"]
     out = []
     h200 = _h200_steps([registry.get(c) for c in (draft, *targets)])
     if h200 is not None:
@@ -188,7 +189,7 @@ def predict(acceptances=(0.95, 0.7, 0.3), draft="Qwen/Qwen3-0.6B",
         for target in targets:
             step, verify = h200[target]
             for a in acceptances:
-                k = max((k for k in SIZES if k + 1 <= 8),
+                k = max((k for k in sizes if k + 1 <= 8),
                         key=lambda k: _gain(a, k, step, verify, draft_step))
                 out.append({"machine": "H200 SXM", "model": h200["report"], "target": target,
                             "draft": draft, "acceptance": a, "k": k,
@@ -203,7 +204,7 @@ def predict(acceptances=(0.95, 0.7, 0.3), draft="Qwen/Qwen3-0.6B",
         for a in acceptances:
             def gain(k):
                 return _gain(a, k, step, max(step, t * (k + 1) / flops), draft_step)
-            k = max(SIZES, key=gain)
+            k = max(sizes, key=gain)
             out.append({"machine": name, "model": "bandwidth", "target": target, "draft": draft,
                         "acceptance": a, "k": k, "step_ms": step * 1e3,
                         "draft_step_ms": draft_step * 1e3, "speedup": max(1.0, gain(k))})

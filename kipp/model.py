@@ -32,7 +32,7 @@ from kipp.chooser import (
 )
 from kipp.display import count, html_view, text_view
 from kipp.engine.blocks import BlockPool
-from kipp.engine.draft import spec_config
+from kipp.engine.draft import MODEL_GATE, spec_config
 from kipp.engine.session import Session, SessionError
 from kipp.engine.spec import EvalClock, SpecConfig
 from kipp.errors import KippError, require
@@ -175,7 +175,7 @@ def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:
     if (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, numbers.Integral)
             or not 1 <= draft_tokens <= 64):
         raise KippError(f"draft_tokens must be an integer in 1..64, got {draft_tokens!r}")
-    return tuple(k for k in (3, 7, 15) if k < draft_tokens) + (int(draft_tokens),)
+    return tuple(k for k in MODEL_GATE["sizes"] if k < draft_tokens) + (int(draft_tokens),)
 
 
 def _check_adapter_arguments(adapters) -> None:

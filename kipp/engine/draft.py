@@ -47,11 +47,19 @@ def check_draft_model(target, draft) -> None:
                         f"target on {target.backend.describe()}: load both on one backend")
 
 
-# the verifies of one stream's drafts (the gate's sizes 3, 7 and 15, plus the pending token) and
-# of a few streams' together: where rows come nearly free up to a tile (AMX's 16 x rows), the
+# A draft model's gate (AdaptiveGate's fields). The pair's acceptance is steady over a text,
+# where prompt lookup's comes in runs that end at an edit: a slow decay estimates it, no cap by
+# the last verify, and a prior as hopeful as lookup's but half as heavy, so a pair that
+# disagrees stops sooner. A one-token draft (a verify of two rows) pays at acceptances where
+# three tokens do not: two rows cost about one even where four cost a CPU a good deal more.
+MODEL_GATE = {"sizes": (1, 3, 7, 15), "decay": 0.9, "successes": 1.5, "trials": 2.0,
+              "capped": False}
+
+# the verifies of one stream's drafts (the model gate's sizes plus the pending token) and of a
+# few streams' together: where rows come nearly free up to a tile (AMX's 16 x rows), the
 # next tile's cost is a step no line through the smaller counts predicts; larger verifies extend
 # the 32-to-64 segment
-VERIFY_ROWS = (4, 8, 16, 32, 64)
+VERIFY_ROWS = (2, 4, 8, 16, 32, 64)
 
 
 def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecConfig:
@@ -65,6 +73,8 @@ def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecC
             gate["draft_cost"] = draft_cost(target, draft_model)
         if not {"verify_base", "verify_per_token", "row_costs"} & gate.keys():
             gate["row_costs"] = verify_costs(target)
+    if not lookup:  # lookup asked first keeps lookup's fields: its drafts come in runs
+        gate = {**MODEL_GATE, **gate}
     return SpecConfig(drafter=PromptLookupDrafter if lookup else None,
                       gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 

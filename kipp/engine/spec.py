@@ -145,6 +145,7 @@ class AdaptiveGate:
     probe_overhead: float = 0.03  # what probing may cost a stream whose drafts do not pay
     successes: float = 3.0  # prior: p = 0.75, so a new sequence tries drafting at once
     trials: float = 4.0
+    capped: bool = True  # k capped by the last verify's outcome (prompt lookup's runs)
     cap: int = field(default=7, init=False)  # longest draft the last verify supports
     pause: int = field(default=0, init=False)
     backoff: int = field(default=1, init=False)
@@ -159,6 +160,8 @@ class AdaptiveGate:
             raise SpecError("verify and draft costs must be positive and decay within [0, 1)")
         if not 0 < self.probe_overhead <= 1:
             raise SpecError(f"probe_overhead must be within (0, 1], got {self.probe_overhead}")
+        if not self.capped:
+            self.cap = max(self.sizes)
         rows = [r for r, _ in self.row_costs]
         if (any(r < 2 for r in rows) or len(set(rows)) != len(rows)
                 or any(c <= 0 for _, c in self.row_costs)):
@@ -229,8 +232,12 @@ class AdaptiveGate:
         self.trials = self.decay * self.trials + accepted + missed
         larger = [k for k in self.sizes if k > drafted]
         holding = [k for k in self.sizes if k > accepted]
-        self.cap = (min(larger, default=max(self.sizes)) if not missed
-                    else min(holding, default=max(self.sizes)))
+        if not self.capped:
+            self.cap = max(self.sizes)
+        elif missed:
+            self.cap = min(holding, default=max(self.sizes))
+        else:
+            self.cap = min(larger, default=max(self.sizes))
         if max(self.expected_gain(k, self.batch) for k in self.sizes) > 1.0:
             self.backoff, self.probing = 1, False
         elif self.probing:
