@@ -270,13 +270,22 @@ class JaxBackend(Backend):
         """(logits, KV) of one compiled step. On a CPU the step runs to its end inside
         kipp.memory.large_blocks_returned, so XLA's temporaries (host memory there) go back to
         the OS when freed; a GPU's steps are not waited on here."""
-        args = (self.params, self.kv, self.rope, self._put(arrays, self._replicated))
+        args = (self.params, self.kv, self.rope, self._round_inputs(arrays))
         if not self.plan.cpu_steps:
             return program(*args)
         with memory.large_blocks_returned():
             logits, kv = program(*args)
             jax.block_until_ready(logits)  # its temporaries were allocated inside
         return logits, kv
+
+    def _round_inputs(self, arrays: rounds.RoundArrays):
+        """A round's small host arrays as its step takes them. On one device, as they are:
+        the compiled step's own transfer of host arrays costs less than device_put's, whose
+        share of a small model's one-token step (a draft model's) is not small; a mesh's step
+        takes them placed on every device."""
+        if self.mesh is None:
+            return arrays
+        return self._put(arrays, self._replicated)
 
     def _program(self, bucket: rounds.Bucket, arrays: rounds.RoundArrays):
         key = (bucket, len(arrays.adapter_active), self._lora_rank(arrays.adapter_active))
