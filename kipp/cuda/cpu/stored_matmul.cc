@@ -156,12 +156,12 @@ inline void DecodeNibbles(const uint8_t* q, __m512 scale, __m512 low, v16* lo, v
   *hi = reinterpret_cast<v16>(_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table));
 }
 
-// A q8_0 block [32 int8] as float32, d * q (exact): `scale` is d in every lane.
-inline void DecodeQ8(const int8_t* q, __m512 scale, v16* lo, v16* hi) {
-  const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
-  *lo = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l))));
-  *hi = reinterpret_cast<v16>(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h))));
+// 16 int8 of a q8_0 block as float32, d * q (exact): `scale` is d in every lane. A tile that
+// uses one half of a block at a time decodes only that half.
+inline v16 DecodeQ8Half(const int8_t* q, __m512 scale) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m512 q32 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  return reinterpret_cast<v16>(_mm512_mul_ps(scale, q32));
 }
 
 // A decode tile's scales (and affine4's m) kScaleRun blocks at a time, converted to float32 in
@@ -190,7 +190,10 @@ inline void DecodeBlock(const void* w, const uint16_t* d, const uint16_t* m, int
     *lo = reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(l), 16));
     *hi = reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else if constexpr (F == Format::kQ8_0) {
-    DecodeQ8(static_cast<const int8_t*>(w) + at * kBlock, HalfBroadcast(d + at), lo, hi);
+    const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
+    const __m512 scale = HalfBroadcast(d + at);
+    *lo = DecodeQ8Half(q, scale);
+    *hi = DecodeQ8Half(q + kLanes, scale);
   } else {
     const __m512 low = F == Format::kAffine4 ? HalfBroadcast(m + at) : _mm512_setzero_ps();
     DecodeNibbles<F>(static_cast<const uint8_t*>(w) + at * 16, HalfBroadcast(d + at), low, lo,
@@ -317,8 +320,9 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
           v16 lo, hi;
 #if defined(KIPP_SCALE_RUNS)
           if constexpr (kRuns && F == Format::kQ8_0) {
-            DecodeQ8(static_cast<const int8_t*>(w) + ((n0 + c) * blocks + b) * kBlock,
-                     _mm512_set1_ps(ds[c][b % kScaleRun]), &lo, &hi);
+            lo = hi = DecodeQ8Half(
+                static_cast<const int8_t*>(w) + ((n0 + c) * blocks + b) * kBlock + kLanes * h,
+                _mm512_set1_ps(ds[c][b % kScaleRun]));
           } else if constexpr (kRuns) {
             const __m512 low = F == Format::kAffine4 ? _mm512_set1_ps(ms[c][b % kScaleRun])
                                                       : _mm512_setzero_ps();
