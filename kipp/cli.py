@@ -99,6 +99,7 @@ def _load(args, group=None):
                  weight_memory=getattr(args, "weight_memory", "auto"),
                  draft=getattr(args, "draft_model", None),
                  draft_tokens=getattr(args, "draft_tokens", None),
+                 draft_vocab=getattr(args, "draft_vocab", None),
                  adapters=_lora_adapters(getattr(args, "lora", None)))
     if hasattr(args, "kv_disk_mib"):
         _attach_disk(model, args)
@@ -159,6 +160,10 @@ def _add_draft_arguments(p) -> None:
                    "greedy's, sampled output plain sampling's distribution (implies --spec)")
     p.add_argument("--draft-tokens", type=_at_least(1), metavar="K",
                    help="longest draft (default 15; the adaptive gate picks fewer per step)")
+    p.add_argument("--draft-vocab", type=_draft_vocab, metavar="N",
+                   help="the draft model scores only the first N token ids (a multiple of 128; "
+                        "the common pieces): cheaper drafts, never a rarer token; output "
+                        "unchanged")
 
 
 def _speculative(args, model):
@@ -231,6 +236,8 @@ def _check_sampling(args) -> None:
     """Flag combinations, before the model loads (each flag's own range is argparse's)."""
     if args.draft_tokens is not None and not args.draft_model:
         raise KippError("--draft-tokens needs --draft-model")
+    if args.draft_vocab is not None and not args.draft_model:
+        raise KippError("--draft-vocab needs --draft-model")
     if args.spec and not args.draft_model and not SamplingParams(**_sampling(args)).is_greedy:
         raise KippError("--spec is greedy only: add --temperature 0 (or --top-k 1), or draft "
                         "with --draft-model")
@@ -444,6 +451,16 @@ def _at_least(low: int, kind=int):
 
     check.__name__ = kind.__name__
     return check
+
+
+def _draft_vocab(text: str) -> int:
+    from kipp.model import HEAD_ROWS, VOCAB_SIZE
+
+    value = int(text)
+    if not HEAD_ROWS <= value <= VOCAB_SIZE or value % HEAD_ROWS:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {HEAD_ROWS} in "
+                                         f"{HEAD_ROWS}..{VOCAB_SIZE}, got {text}")
+    return value
 
 
 def _port(text: str) -> int:

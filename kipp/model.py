@@ -36,7 +36,7 @@ from kipp.engine.draft import MODEL_GATE, spec_config
 from kipp.engine.session import Session, SessionError
 from kipp.engine.spec import EvalClock, SpecConfig
 from kipp.errors import KippError, require
-from kipp.formats.artifact import Artifact, open_artifact
+from kipp.formats.artifact import Artifact, open_artifact, with_head_rows
 from kipp.formats.registry import KV_HEADS, VOCAB_SIZE
 from kipp.generation import (  # noqa: F401  (GenerationError, GenerationStats: API)
     ChatReply,
@@ -53,15 +53,19 @@ from kipp.text.tokenizer import Tokenizer
 KV_SCHEMES = ("bf16", "q8_0")  # the KV slab's storage format (see kipp.formats.kvquant for q8_0)
 JAX_DEFAULT_KV_TOKENS = 8192
 PARALLEL = ("tensor", "pipeline")  # how a distributed group splits the model
+# draft_vocab's unit: the vocabulary itself is 1,187 x 128 rows, so a head cut to whole 128s
+# keeps the row tiles every backend's head kernels divide it into (Pallas's are 32 or 64)
+HEAD_ROWS = 128
 
 
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
          kv_tokens: int | None = None, progress: bool = True,
          kv_scheme: str = "bf16", kv_mib: float | None = None,
          weight_memory: str = "auto", draft: "str | Path | Model | None" = None,
-         draft_tokens: int | None = None, kv_cache_dir: str | Path | None = None,
+         draft_tokens: int | None = None, draft_vocab: int | None = None,
+         kv_cache_dir: str | Path | None = None,
          kv_disk_mib: float | None = None, adapters: dict | None = None, distributed=None,
-         parallel: str = "tensor") -> "Model":
+         parallel: str = "tensor", *, _head_rows: int | None = None) -> "Model":
     """Open a checkpoint: a registry id (downloaded or synthesized and converted when missing,
     with progress output) or a local .gguf artifact path. `backend` "auto" picks the fastest
     installed (kipp.chooser) and prints why. `kv_tokens` sizes the KV slab
@@ -73,7 +77,10 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     `draft` (a checkpoint as above, or a loaded Model on the same backend) is a small model of
     the family that drafts for `speculative=True`, greedy or sampled (kipp.engine.draft); it
     must share the tokenizer exactly. `draft_tokens` caps its draft length (default: the
-    adaptive gate's longest, 15).
+    adaptive gate's longest, 15). `draft_vocab` N gives the draft model a head over the first N
+    token ids only (a multiple of 128): a small draft's eval is mostly its head over the
+    151,936-token vocabulary, and Qwen's ids follow BPE merge order, so the first ids are the
+    common pieces. The draft then never proposes a rarer token; the output is unchanged.
     `kv_cache_dir` keeps published KV blocks on disk there too (kipp.engine.kv_disk), up to
     `kv_disk_mib` MiB (default: a quarter of the free disk); a later process reuses them.
     `adapters` {"name": folder} loads LoRA adapters (PEFT or mlx-lm, kipp.lora.adapter) trained
@@ -96,8 +103,11 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     _check_adapter_arguments(adapters)
     check_weight_memory(weight_memory)
     sizes = _draft_sizes(draft, draft_tokens)
+    _check_draft_vocab(draft, draft_vocab)
     choice = choose_backend(backend)
     artifact = _open_checkpoint(checkpoint, scheme, progress)
+    if _head_rows is not None:  # a draft's head (draft_vocab)
+        artifact = with_head_rows(artifact, _head_rows)
     if kv_mib is not None:
         kv_tokens = kv_tokens_for(artifact.entry, kv_scheme, kv_mib)
     options = {} if kv_scheme == "bf16" else {"kv_scheme": kv_scheme}
@@ -126,7 +136,7 @@ def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
     if draft is not None:
         if not isinstance(draft, Model):
             draft = load(draft, choice.name, scheme, kv_tokens, progress, kv_scheme, kv_mib,
-                         weight_memory)
+                         weight_memory, _head_rows=draft_vocab)
         model.set_draft(draft, sizes)
     if kv_cache_dir is not None:
         model.attach_kv_disk(kv_cache_dir, kv_disk_mib)
@@ -164,6 +174,20 @@ def _join_mlx_group(group, artifact: Artifact, parallel: str):
     runtime = group_runtime("mlx")
     shard = runtime.plan_shard(artifact.entry, group.rank, group.size, parallel)
     return runtime.join(group, shard)
+
+
+def _check_draft_vocab(draft, draft_vocab) -> None:
+    if draft_vocab is None:
+        return
+    if draft is None:
+        raise KippError("draft_vocab needs a draft model (draft=...)")
+    if isinstance(draft, Model):
+        raise KippError("draft_vocab cuts the head of a draft that load opens: give draft "
+                        "as a checkpoint, not a loaded Model")
+    if (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, numbers.Integral)
+            or not HEAD_ROWS <= draft_vocab <= VOCAB_SIZE or draft_vocab % HEAD_ROWS):
+        raise KippError(f"draft_vocab must be a multiple of {HEAD_ROWS} in "
+                        f"{HEAD_ROWS}..{VOCAB_SIZE}, got {draft_vocab!r}")
 
 
 def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:
@@ -285,6 +309,8 @@ class Model:
         self.draft_spec: SpecConfig | None = None
         self.kv_disk = None  # kipp.engine.kv_disk.KVDisk once attach_kv_disk is called
         self.clock = EvalClock()  # its decode rounds as schedulers time them (spec gates)
+        # the ids its head scores (a draft's may stop short of the vocabulary: draft_vocab)
+        self.head_rows = artifact.weights.output.shape[0]
 
     def set_draft(self, draft: "Model | None", sizes: tuple[int, ...] | None = None) -> None:
         """Draft with `draft` (None: prompt lookup again) for speculative=True; SpecError if it
@@ -424,6 +450,8 @@ class Model:
             raise
         for session, item in zip(sessions, items):
             session.commit(item)
+        if self.head_rows < VOCAB_SIZE:  # ids past a cut head are never picked
+            results = [_widen(logits) for logits in results]
         return results
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -551,3 +579,10 @@ class Model:
             raise ChatError(f"{self.entry.id} ships the {expected} chat template upstream, but "
                             f"this artifact carries the {name} one")
         return name
+
+
+def _widen(logits: np.ndarray) -> np.ndarray:
+    """Logits [rows, head rows] of a cut head as [rows, vocabulary]: -inf past the head."""
+    out = np.full((logits.shape[0], VOCAB_SIZE), -np.inf, np.float32)
+    out[:, :logits.shape[1]] = logits
+    return out

@@ -50,6 +50,8 @@ def test_run_prints_only_the_text_on_stdout(stock_store, tmp_path, monkeypatch, 
     (["serve", TINY, "--max-batch", "0"], "--max-batch"),
     (["serve", TINY, "--kv-tokens", "8"], "--kv-tokens"),
     (["serve", TINY, "--kv-mib", "0"], "--kv-mib"),
+    (["run", TINY, "--prompt", "x", "--draft-vocab", "1000"], "--draft-vocab"),
+    (["serve", TINY, "--draft-vocab", "0"], "--draft-vocab"),
 ])
 def test_a_bad_flag_is_named_before_anything_loads(argv, flag, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KIPP_HOME", str(tmp_path))
@@ -65,6 +67,7 @@ def test_a_bad_flag_is_named_before_anything_loads(argv, flag, tmp_path, monkeyp
     (["run", TINY, "--prompt", "x", "--max-tokens", "40960"],
      "--max-tokens 40960 leaves no room"),
     (["chat", TINY, "--spec", "--temperature", "0.5"], "--spec is greedy only"),
+    (["run", TINY, "--prompt", "x", "--draft-vocab", "32768"], "--draft-vocab needs"),
 ])
 def test_flag_combinations_are_checked_before_loading(argv, message, tmp_path, monkeypatch,
                                                       capsys):

@@ -17,6 +17,7 @@ import pytest
 from kipp.engine.draft import ModelDrafter, check_draft_model
 from kipp.engine.scheduler import Delta, Done, Request, Scheduler, collect
 from kipp.engine.spec import SpecConfig, SpecError
+from kipp.errors import KippError
 from kipp.model import GenerationError, load
 from kipp.text.sampling import SamplingParams
 
@@ -185,6 +186,92 @@ def test_the_draft_session_holds_the_accepted_prefix(pair):
     assert drafter.session.tokens[:len(accepted)] == accepted
     drafter.close()
     target.pool.check()
+
+
+# draft_vocab: a cut head scores the first ids only. The tiny's greedy text walks live words
+# (ids 256..653 and punctuation below): 384 leaves some of them past the cut.
+CUT = 384
+
+
+@pytest.fixture(scope="module")
+def cut_pair(artifacts):
+    """backend -> the tiny target loaded with itself as a draft whose head stops at CUT."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            pytest.importorskip({"reference": "numpy", "jax": "jax", "mlx": "mlx.core"}[name])
+            loaded[name] = load(artifacts(TINY), backend=name, kv_tokens=1024, progress=False,
+                                draft=artifacts(TINY), draft_vocab=CUT)
+        return loaded[name]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", ["reference", "jax", "mlx"])
+def test_a_cut_head_scores_the_first_ids_alone(cut_pair, models, backend):
+    target = cut_pair(backend)
+    assert target.draft.head_rows == CUT and target.head_rows == 151_936
+    ids = target.tokenizer.encode("The cat sat on the mat.")
+    with target.session() as full, target.draft.session() as cut:
+        whole, part = full.eval(ids, logits_rows=3), cut.eval(ids, logits_rows=3)
+    assert part.shape == whole.shape
+    assert np.array_equal(part[:, :CUT], whole[:, :CUT])  # the same rows, the same dots
+    assert np.isneginf(part[:, CUT:]).all()
+
+
+@pytest.mark.parametrize("backend", [  # the reference's 4-row verifies: CI's draft-model step
+    pytest.param("reference", marks=pytest.mark.slow), "jax"])
+def test_greedy_with_a_cut_draft_head_equals_plain_greedy(cut_pair, backend):
+    """The target drafting for itself agrees on every token but those past the cut, which the
+    draft cannot propose: acceptance below 1, output still plain greedy's."""
+    target = cut_pair(backend)
+    prompt = _prompt(target)
+    _, plain = _run(target, prompt, 24, temperature=0)
+    assert {t >= CUT for t in plain.tokens} == {True, False}  # the text crosses the cut
+    _, spec = _run(target, prompt, 24, temperature=0, speculative=_config(target.draft, 3))
+    assert spec.tokens == plain.tokens
+    assert spec.spec.drafted > 0 and 0 < spec.spec.acceptance_rate < 1
+    target.pool.check()
+    target.draft.pool.check()
+
+
+def test_a_grammar_past_a_cut_head_drafts_nothing(cut_pair):
+    """Where the grammar admits only ids past the cut, the draft has no token to propose: it
+    ends there, rather than draw from a distribution that is all zeros."""
+    target = cut_pair("reference")
+    beyond = np.zeros(151_936, dtype=bool)
+    beyond[CUT + 1000:CUT + 1010] = True
+
+    class Past:
+        complete = False
+
+        def copy(self):
+            return self
+
+        def allowed(self):
+            return beyond
+
+        def consume(self, token):
+            pass
+
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1)):
+        drafter = ModelDrafter(target.draft, params, 0, 200)
+        assert drafter.draft(_prompt(target), 3, Past()) == []
+        drafter.close()
+    target.draft.pool.check()
+
+
+def test_draft_vocab_is_checked(artifacts, models):
+    tiny = artifacts(TINY)
+    for vocab, match in ((100, "multiple of 128"), (151_936 + 128, "multiple of 128"),
+                         (True, "multiple of 128"), ("384", "multiple of 128")):
+        with pytest.raises(KippError, match=f"draft_vocab must be a {match}"):
+            load(tiny, backend="reference", progress=False, draft=tiny, draft_vocab=vocab)
+    with pytest.raises(KippError, match="draft_vocab needs a draft model"):
+        load(tiny, backend="reference", progress=False, draft_vocab=384)
+    with pytest.raises(KippError, match="give draft as a checkpoint"):
+        load(tiny, backend="reference", progress=False, draft=models(TINY), draft_vocab=384)
 
 
 @pytest.mark.slow  # one of the default suite's longest (CI: the draft-model step)

@@ -54,8 +54,18 @@ def _cases(prompt, p, q):
                            presence_penalty=0.5, frequency_penalty=0.3,
                            logit_bias={top[5]: 2.0, top[0]: -1.0}), noisy, None, history),
         "grammar": (dict(temperature=4.0, top_k=30), mixed, allowed, prompt),
+        # a draft whose head stops short of the vocabulary (draft_vocab) in the middle of p's
+        # top tokens: q is zero past it, so the residual alone yields those tokens
+        "cut_head": (dict(temperature=5.0, top_k=12), _cut(mixed, sorted(top[:12])[6]), None,
+                     prompt),
         "power": (dict(temperature=5.0, top_k=12), noisy, None, prompt),
     }
+
+
+def _cut(row, rows):
+    out = row.copy()
+    out[rows:] = -np.inf
+    return out
 
 
 def planted_residual_is_p(self, logits, recent, allowed, token, draft=None):
@@ -94,7 +104,8 @@ def _compare(params, p_row, q_row, allowed, history, verify=Sampler.verify, seed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "penalties", "grammar"])
+@pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "penalties", "grammar",
+                                  "cut_head"])
 def test_speculative_draws_match_plain_draws(logits, case):
     params, draft, allowed, history = _cases(*logits)[case]
     pvalue, acceptance = _compare(params, logits[1], draft, allowed, history)

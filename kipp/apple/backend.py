@@ -33,7 +33,7 @@ from kipp.backend import KV_BLOCK, Backend, EvalItem, blocks_needed
 from kipp.engine.rounds import Piece, plan_rounds
 from kipp.errors import KippError
 from kipp.formats.artifact import Artifact
-from kipp.formats.registry import KV_HEADS, VOCAB_SIZE
+from kipp.formats.registry import KV_HEADS
 from kipp.rope import rope_tables
 
 try:  # kipp.model imports make_backend on any machine; MLX itself may be missing
@@ -70,6 +70,7 @@ class MLXBackend(Backend):
         if link is not None and shard is None:
             raise KippError("a distributed MLXBackend needs its shard")
         self.entry, self.scheme, self.artifact = entry, artifact.scheme, artifact
+        self.head_rows = artifact.weights.output.shape[0]  # the ids its logits score
         self.shard, self.link = shard, link  # kipp.apple.distributed: one rank of a group
         # this process's share of the weights: views of the mapped artifact, never copies
         own = artifact if shard is None else shard.view(artifact)
@@ -168,7 +169,7 @@ class MLXBackend(Backend):
 
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
-        outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
+        outputs = [np.empty((item.logits_rows, self.head_rows), np.float32) for item in items]
         for pieces in plan_rounds(items, self.max_round_tokens):
             inputs, dests = self._plan(items, pieces)
             if self.link is not None:  # the other ranks run the same round on the same inputs

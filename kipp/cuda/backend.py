@@ -34,7 +34,6 @@ from kipp.display import step_bar
 from kipp.errors import KippError
 from kipp.formats import kvquant
 from kipp.formats.artifact import Artifact
-from kipp.formats.registry import VOCAB_SIZE
 from kipp.rope import rope_tables
 
 log = logging.getLogger("kipp.cuda")
@@ -68,6 +67,7 @@ class JaxBackend(Backend):
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
         self.entry, self.scheme, self.kv_scheme = entry, artifact.scheme, kv_scheme
+        self.head_rows = artifact.weights.output.shape[0]  # the ids its logits score
         self.device = device or (None if mesh is not None else jax.devices()[0])
         self.mesh = mesh
         self.link = link  # kipp.cuda.distributed.Link: the mesh spans processes
@@ -250,7 +250,7 @@ class JaxBackend(Backend):
 
     def eval(self, items: Sequence[EvalItem]) -> list[np.ndarray]:
         self.check(items)
-        outputs = [np.empty((item.logits_rows, VOCAB_SIZE), np.float32) for item in items]
+        outputs = [np.empty((item.logits_rows, self.head_rows), np.float32) for item in items]
         for pieces in rounds.plan_rounds(items, self.max_round_tokens):
             bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks,
                                                       self._adapter_slots)

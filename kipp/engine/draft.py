@@ -170,6 +170,9 @@ class ModelDrafter:
         """Draw the next draft token from the draft eval's row; True when another eval is due."""
         history = self._base + self.tokens
         allowed = self._matcher.allowed() if self._matcher is not None else None
+        if allowed is not None and not allowed[:self.model.head_rows].any():
+            self.feed = None  # the grammar admits only ids past a cut head (draft_vocab)
+            return False
         if self.greedy:
             token = self.sampler.sample(rows[-1], history, allowed)
         else:

@@ -12,6 +12,7 @@ norms are stored as F32 (lossless from BF16) because that is what those readers 
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,20 @@ def open_artifact(path) -> Artifact:
     _check_tensor_set(file, specs)
     tensors = {spec.name: _bind(file, spec) for spec in specs}
     return Artifact(file.path, entry, scheme, _weights(entry, tensors), file)
+
+
+def with_head_rows(artifact: Artifact, rows: int) -> Artifact:
+    """`artifact` with an output head of only the first `rows` vocabulary rows (the embedding
+    keeps them all): a backend opened on it gives logits for ids below `rows`. A view of the
+    same mapping, nothing copied. For a draft model (kipp.engine.draft): its head over the whole
+    vocabulary is most of what a small draft's eval reads."""
+    w = artifact.weights
+    vocab = w.output.shape[0]
+    if not 0 < rows <= vocab:
+        raise ArtifactError(f"head rows {rows} is outside 1..{vocab}")
+    raw = w.output.quantized_rows(0, rows).reshape(-1)
+    head = Tensor(w.output.name, (rows,) + w.output.shape[1:], w.output.ggml_type, raw)
+    return dataclasses.replace(artifact, weights=dataclasses.replace(w, output=head, tied=False))
 
 
 def read_tokenizer_data(path):
