@@ -13,7 +13,10 @@ draft, interleaved per round after `--warmup` rounds; a run that compiled a step
 not met (the target's or the draft's) is run again, so no compile is inside a measurement.
 The value is decode tok/s (generated tokens over the wall time from the last prompt's logits to
 the end); the speed-up is the median over rounds of spec / plain. Greedy spec runs must emit
-exactly the plain run's tokens, or the command fails.
+exactly the plain run's tokens, or the command fails. `--draft-vocab full 32768` measures each
+draft twice in the same rounds: its head over the whole vocabulary, and over the first 32,768
+ids (load's draft_vocab); the record keeps the share of this repository's docs' and code's
+tokens below each cut, what a real pair's drafts could still propose.
 
 Beside the measurement, `predict` gives the speed-up for Qwen3-0.6B drafting for 8B and 32B
 (BF16, batch 1) on an H200 and on an M-series Mac. A round of draft length k costs k draft decode
@@ -45,6 +48,11 @@ AGREE = (95, 70, 30)
 MAC = ("M4 Max (546 GB/s)", 546e9, 34e12)  # bandwidth and BF16 peak (vendor figures)
 RETRIES = 4  # runs of one arm and round while each compiles a step shape it had not met
 GOALS = {"speedup_at_70_single": 1.8, "floor": 0.95}
+FULL = "full"  # a draft's head over the whole vocabulary
+
+
+def _draft_vocab(text: str):
+    return FULL if text == FULL else int(text)
 
 
 def prompts(model, streams: int, seed: int) -> list[list[int]]:
@@ -102,43 +110,60 @@ def gate_costs(target, drafts: dict) -> dict:
     from kipp.engine.draft import draft_cost, verify_costs
 
     row_costs = verify_costs(target)
-    return {agree: {"draft_cost": draft_cost(target, draft), "row_costs": row_costs}
-            for agree, draft in drafts.items()}
+    return {key: {"draft_cost": draft_cost(target, draft), "row_costs": row_costs}
+            for key, draft in drafts.items()}
+
+
+def vocab_coverage(model, vocabs) -> dict:
+    """The share of the tokens of this repository's docs and Python below each draft vocabulary
+    (English prose and code): a target token past a draft's cut head is never drafted, so
+    this bounds what the cut costs a real pair's acceptance."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(root.glob("docs/*.md")) + sorted(root.glob("kipp/**/*.py"))
+    ids = np.array([t for f in files for t in model.tokenizer.encode(f.read_text())])
+    return {"files": "docs/*.md, kipp/**/*.py", "tokens": int(ids.size),
+            **{str(v): round(float(np.mean(ids < v)), 4) for v in vocabs if v != FULL}}
 
 
 def measure(target, drafts: dict, costs: dict, args) -> dict:
+    """Per round, dial, temperature and stream count: plain, then each draft vocabulary's
+    spec run; results[(agree, vocab, temperature, streams)] lists (kept, run), vocab None the
+    plain run."""
     from kipp.engine.draft import spec_config
 
     results = {}
     for r in range(args.warmup + args.runs):
-        for agree, draft in drafts.items():
-            spec = spec_config(draft, target, **costs[agree])
+        for agree in args.agree:
+            specs = {vocab: spec_config(draft, target, **costs[agree, vocab])
+                     for (a, vocab), draft in drafts.items() if a == agree}
             for temperature in (0.0, 0.7):
                 for streams in args.streams:
                     ps = prompts(target, streams, seed=r)
-                    for mode in ("plain", "spec"):
+                    for vocab, spec in [(None, None), *specs.items()]:
                         for _ in range(RETRIES):  # a run that compiled a new shape is redone
-                            run = decode(target, ps, args.tokens, temperature,
-                                         spec if mode == "spec" else None, seed=100 * r)
+                            run = decode(target, ps, args.tokens, temperature, spec,
+                                         seed=100 * r)
                             if not run["compiled"]:
                                 break
-                        key = (agree, temperature, streams, mode)
+                        key = (agree, vocab, temperature, streams)
                         results.setdefault(key, []).append((r >= args.warmup, run))
-                        print(f"  round {r} agree {agree} T={temperature} x{streams} {mode:5} "
+                        mode = "plain" if spec is None else f"spec {vocab}"
+                        print(f"  round {r} agree {agree} T={temperature} x{streams} {mode:10} "
                               f"{run['tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
     return results
 
 
 def summarize(results: dict, args) -> list[dict]:
     rows = []
-    for (agree, temperature, streams, mode), runs in results.items():
-        if mode != "spec":
+    for (agree, vocab, temperature, streams), runs in results.items():
+        if vocab is None:
             continue
-        plain = [run for kept, run in results[agree, temperature, streams, "plain"] if kept]
+        plain = [run for kept, run in results[agree, None, temperature, streams] if kept]
         spec = [run for kept, run in runs if kept]
         ratios = [s["tok_s"] / p["tok_s"] for p, s in zip(plain, spec)]
         drafted = sum(s["drafted"] for s in spec)
-        rows.append({"agree": agree, "temperature": temperature, "streams": streams,
+        rows.append({"agree": agree, "draft_vocab": vocab, "temperature": temperature,
+                     "streams": streams,
                      "speedup": stats.summarize(ratios), "ratios": ratios,
                      "plain_tok_s": stats.median([p["tok_s"] for p in plain]),
                      "spec_tok_s": stats.median([s["tok_s"] for s in spec]),
@@ -216,6 +241,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=TARGET)
     parser.add_argument("--agree", type=int, nargs="+", default=list(AGREE), choices=AGREE)
     parser.add_argument("--backend", default="jax", choices=("jax", "reference"))
+    parser.add_argument("--draft-vocab", type=_draft_vocab, nargs="+", default=[FULL],
+                        help="each draft's head: 'full' or the first N ids (load's "
+                             "draft_vocab), an arm each")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--warmup", type=int, default=1)
@@ -225,11 +253,15 @@ def main(argv=None) -> int:
 
     import kipp
 
-    def load(checkpoint):
-        return kipp.load(checkpoint, backend=args.backend, kv_tokens=4096, progress=False)
+    def load(checkpoint, **options):
+        return kipp.load(checkpoint, backend=args.backend, kv_tokens=4096, progress=False,
+                         **options)
 
     target = load(args.target)
-    drafts = {a: load(f"kipp-synthetic/qwen3-0.6b-draft-{a}") for a in args.agree}
+    # a draft's head cut as load(..., draft_vocab=N) cuts it, without a second target
+    drafts = {(a, v): load(f"kipp-synthetic/qwen3-0.6b-draft-{a}",
+                           _head_rows=None if v == FULL else v)
+              for a in args.agree for v in args.draft_vocab}
     start = time.perf_counter()
     costs = gate_costs(target, drafts)
     results = measure(target, drafts, costs, args)
@@ -241,15 +273,18 @@ def main(argv=None) -> int:
         "throughput", command, records.checkpoint_block(args.target), provenance.collect(),
         workload={"name": "spec-draft", "max_tokens": args.tokens, "streams": args.streams,
                   "drafts": {a: f"kipp-synthetic/qwen3-0.6b-draft-{a}" for a in args.agree},
+                  "draft_vocab": args.draft_vocab,
+                  "draft_vocab_coverage": vocab_coverage(target, args.draft_vocab),
                   "texts": "see bench/draft_bench.py's docstring",
-                  "gate_costs": costs},
+                  "gate_costs": {f"{a}/{v}": c for (a, v), c in costs.items()}},
         protocol={"warmup": args.warmup, "runs": args.runs, "interleaved": True,
                   "seconds": time.perf_counter() - start},
         arms=[], speedups=rows, predicted=predicted, goals=GOALS)
     path = records.write(record, args.results)
     for row in rows:
         s = row["speedup"]
-        print(f"agree {row['agree']:2d}% T={row['temperature']} x{row['streams']}: speed-up "
+        print(f"agree {row['agree']:2d}% vocab {row['draft_vocab']} "
+              f"T={row['temperature']} x{row['streams']}: speed-up "
               f"{s['median']:.2f}x (MAD {s['mad']:.2f}), acceptance {row['acceptance_rate']:.0%}"
               f", identical {row['identical']}")
     for p in predicted:
