@@ -19,7 +19,7 @@ from kipp.engine.scheduler import Delta, Done, Request, Scheduler, collect
 from kipp.engine.spec import SpecConfig, SpecError
 from kipp.errors import KippError
 from kipp.model import GenerationError, load
-from kipp.text.sampling import SamplingParams
+from kipp.text.sampling import Sampler, SamplingParams
 
 TINY, BASE = "kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base"
 
@@ -193,6 +193,24 @@ def test_the_draft_session_holds_the_accepted_prefix(pair):
 CUT = 384
 
 
+class FixedMask:
+    """A grammar matcher whose mask is always `allowed`."""
+
+    complete = False
+
+    def __init__(self, allowed):
+        self._allowed = allowed
+
+    def copy(self):
+        return self
+
+    def allowed(self):
+        return self._allowed
+
+    def consume(self, token):
+        pass
+
+
 @pytest.fixture(scope="module")
 def cut_pair(artifacts):
     """backend -> the tiny target loaded with itself as a draft whose head stops at CUT."""
@@ -243,22 +261,38 @@ def test_a_grammar_past_a_cut_head_drafts_nothing(cut_pair):
     beyond = np.zeros(151_936, dtype=bool)
     beyond[CUT + 1000:CUT + 1010] = True
 
-    class Past:
-        complete = False
-
-        def copy(self):
-            return self
-
-        def allowed(self):
-            return beyond
-
-        def consume(self, token):
-            pass
-
     for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1)):
         drafter = ModelDrafter(target.draft, params, 0, 200)
-        assert drafter.draft(_prompt(target), 3, Past()) == []
+        assert drafter.draft(_prompt(target), 3, FixedMask(beyond)) == []
         drafter.close()
+    target.draft.pool.check()
+
+
+def test_a_cut_heads_draft_distribution_is_the_widened_rows(cut_pair):
+    """The drafter samples a cut head over its own ids: its q is what the sampler gives the
+    widened row (logits -inf past the cut), with penalties over a window that holds ids past
+    the cut, a logit_bias on both sides of it, top_k and a grammar's mask."""
+    target = cut_pair("reference")
+    prompt = _prompt(target, 100)  # longer than the penalty window; most ids past the cut
+    prompt[:3] = [309, 312, 309]  # before the window: not penalised
+    prompt[-7:] = [300, 301, 300, 5000, 302, 301, 300]
+    allowed = np.zeros(151_936, dtype=bool)
+    allowed[::3] = True
+
+    params = SamplingParams(temperature=1.5, top_k=20, repetition_penalty=1.3,
+                            presence_penalty=0.4, logit_bias={CUT + 5: 9.0, 300: 1.5, 309: 6.0},
+                            seed=3)
+    drafter = ModelDrafter(target.draft, params, 0, 200)
+    [token] = drafter.draft(prompt, 1, FixedMask(allowed))
+    with target.draft.session() as s:
+        row = s.eval(prompt)[0]
+    assert np.isneginf(row[CUT:]).all()
+    plain = Sampler(params, choice=0, stream=1)
+    q = plain.probabilities(row, prompt, allowed)
+    assert np.count_nonzero(q) > 1 and q[CUT:].sum() == 0
+    assert np.allclose(drafter.qs[0], q, rtol=1e-12, atol=0)
+    assert token == plain.draw(q)
+    drafter.close()
     target.draft.pool.check()
 
 

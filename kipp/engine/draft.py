@@ -15,6 +15,7 @@ for the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -25,6 +26,7 @@ import numpy as np
 
 from kipp.engine.spec import (AdaptiveGate, PromptLookupDrafter, SpecConfig, SpecError,
                               compile_count)
+from kipp.formats.registry import VOCAB_SIZE
 from kipp.text.grammar import GrammarError, Matcher
 from kipp.text.sampling import Sampler, SamplingParams
 
@@ -133,7 +135,12 @@ class ModelDrafter:
     def __init__(self, model, params: SamplingParams, choice: int, capacity: int,
                  stop_ids: Sequence[int] = ()):
         self.model = model
-        self.sampler = Sampler(params, choice=choice, stream=1)
+        # a cut head (draft_vocab) drafts over its own ids: its q is 0 past them, and the
+        # widened row's -inf tail costs the transforms (top_k's partition above all) many times
+        # the cut row's work
+        self.head = model.head_rows
+        self.sampler = Sampler(_within(params, self.head), self.head, choice=choice, stream=1)
+        self.params = params
         self.greedy = params.is_greedy
         self.capacity = min(capacity, model.entry.context_length)
         self.stop_ids = frozenset(stop_ids)
@@ -168,17 +175,20 @@ class ModelDrafter:
 
     def advance(self, rows: np.ndarray) -> bool:
         """Draw the next draft token from the draft eval's row; True when another eval is due."""
-        history = self._base + self.tokens
+        history = self._recent(self._base + self.tokens)
         allowed = self._matcher.allowed() if self._matcher is not None else None
-        if allowed is not None and not allowed[:self.model.head_rows].any():
-            self.feed = None  # the grammar admits only ids past a cut head (draft_vocab)
-            return False
+        if allowed is not None:
+            allowed = allowed[:self.head]
+            if not allowed.any():  # the grammar admits only ids past a cut head
+                self.feed = None
+                return False
+        row = rows[-1][:self.head]
         if self.greedy:
-            token = self.sampler.sample(rows[-1], history, allowed)
+            token = self.sampler.sample(row, history, allowed)
         else:
-            q = self.sampler.probabilities(rows[-1], history, allowed)
+            q = self.sampler.probabilities(row, history, allowed)
             token = self.sampler.draw(q)
-            self.qs.append(q)
+            self.qs.append(q if q.size == VOCAB_SIZE else _widen(q))
         self.tokens.append(token)
         if self._matcher is not None and token not in self.stop_ids:
             try:
@@ -191,6 +201,13 @@ class ModelDrafter:
                 and not (self._matcher is not None and self._matcher.complete))
         self.feed = [token] if more else None
         return more
+
+    def _recent(self, history: list[int]) -> Sequence[int]:
+        """The ids the penalties count: a cut head's sampler knows only the ids below the cut,
+        and the others' logits are -inf whatever they count (the window taken first)."""
+        if self.head == VOCAB_SIZE or not self.params.has_penalties:
+            return history
+        return [t for t in history[-self.params.penalty_window:] if t < self.head]
 
     def draft(self, tokens: Sequence[int], limit: int, matcher: Matcher | None = None
               ) -> list[int]:
@@ -225,6 +242,22 @@ class ModelDrafter:
         self._reset_draft()
         if self.session is not None:
             self.session.reset()
+
+
+def _within(params: SamplingParams, head: int) -> SamplingParams:
+    """`params` for a sampler over the first `head` ids: the logit_bias of ids past them goes
+    (their q is 0 whatever the bias)."""
+    if all(token < head for token, _ in params.logit_bias):
+        return params
+    return dataclasses.replace(params, logit_bias=tuple(
+        (token, bias) for token, bias in params.logit_bias if token < head))
+
+
+def _widen(q: np.ndarray) -> np.ndarray:
+    """A distribution over the first ids as one over the vocabulary (Sampler.verify's q)."""
+    out = np.zeros(VOCAB_SIZE, np.float64)
+    out[:q.size] = q
+    return out
 
 
 def draft_many(drafters: Sequence[ModelDrafter],
