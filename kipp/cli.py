@@ -454,12 +454,11 @@ def _at_least(low: int, kind=int):
 
 
 def _draft_vocab(text: str) -> int:
-    from kipp.model import HEAD_ROWS, VOCAB_SIZE
+    from kipp.model import DRAFT_VOCAB_RANGE, draft_vocab_fits
 
     value = int(text)
-    if not HEAD_ROWS <= value <= VOCAB_SIZE or value % HEAD_ROWS:
-        raise argparse.ArgumentTypeError(f"must be a multiple of {HEAD_ROWS} in "
-                                         f"{HEAD_ROWS}..{VOCAB_SIZE}, got {text}")
+    if not draft_vocab_fits(value):
+        raise argparse.ArgumentTypeError(f"must be {DRAFT_VOCAB_RANGE}, got {text}")
     return value
 
 

@@ -56,6 +56,7 @@ PARALLEL = ("tensor", "pipeline")  # how a distributed group splits the model
 # draft_vocab's unit: the vocabulary itself is 1,187 x 128 rows, so a head cut to whole 128s
 # keeps the row tiles every backend's head kernels divide it into (Pallas's are 32 or 64)
 HEAD_ROWS = 128
+DRAFT_VOCAB_RANGE = f"a multiple of {HEAD_ROWS} in {HEAD_ROWS}..{VOCAB_SIZE}"
 
 
 def load(checkpoint: str | Path, backend: str = "auto", scheme: str = "bf16",
@@ -184,10 +185,14 @@ def _check_draft_vocab(draft, draft_vocab) -> None:
     if isinstance(draft, Model):
         raise KippError("draft_vocab cuts the head of a draft that load opens: give draft "
                         "as a checkpoint, not a loaded Model")
-    if (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, numbers.Integral)
-            or not HEAD_ROWS <= draft_vocab <= VOCAB_SIZE or draft_vocab % HEAD_ROWS):
-        raise KippError(f"draft_vocab must be a multiple of {HEAD_ROWS} in "
-                        f"{HEAD_ROWS}..{VOCAB_SIZE}, got {draft_vocab!r}")
+    if not draft_vocab_fits(draft_vocab):
+        raise KippError(f"draft_vocab must be {DRAFT_VOCAB_RANGE}, got {draft_vocab!r}")
+
+
+def draft_vocab_fits(n) -> bool:
+    """Whether `n` can be a draft's head rows (load's draft_vocab, the CLI's --draft-vocab)."""
+    return (not isinstance(n, bool) and isinstance(n, numbers.Integral)
+            and HEAD_ROWS <= n <= VOCAB_SIZE and n % HEAD_ROWS == 0)
 
 
 def _draft_sizes(draft, draft_tokens) -> tuple[int, ...] | None:

@@ -188,7 +188,7 @@ class ModelDrafter:
         else:
             q = self.sampler.probabilities(row, history, allowed)
             token = self.sampler.draw(q)
-            self.qs.append(q if q.size == VOCAB_SIZE else _widen(q))
+            self.qs.append(np.pad(q, (0, VOCAB_SIZE - q.size)))  # verify's q: the vocab
         self.tokens.append(token)
         if self._matcher is not None and token not in self.stop_ids:
             try:
@@ -251,13 +251,6 @@ def _within(params: SamplingParams, head: int) -> SamplingParams:
         return params
     return dataclasses.replace(params, logit_bias=tuple(
         (token, bias) for token, bias in params.logit_bias if token < head))
-
-
-def _widen(q: np.ndarray) -> np.ndarray:
-    """A distribution over the first ids as one over the vocabulary (Sampler.verify's q)."""
-    out = np.zeros(VOCAB_SIZE, np.float64)
-    out[:q.size] = q
-    return out
 
 
 def draft_many(drafters: Sequence[ModelDrafter],
