@@ -28,6 +28,10 @@ acceptance a; the speed-up is E(k) x (target step) / (round), k the best of the 
   Like the report's own predictions these leave out XLA's ops between the kernels.
 - M-series: no compile report exists for Metal, so a step is the weights' bytes over the
   bandwidth (an M4 Max's 546 GB/s), or a verify's FLOPs at the BF16 peak when that is longer.
+- A draft vocabulary N (`--draft-vocab N`) gets rows of its own: the draft step shrinks with the
+  head rows it no longer reads (both models step at their weights' bytes), and the acceptance
+  is a x c, c the measured share of text tokens below N (`draft_vocab_coverage`): a token past
+  the cut is never drafted, and the rest as often as with the whole head.
 """
 
 from __future__ import annotations
@@ -201,39 +205,47 @@ def _h200_steps(entries) -> dict | None:
 
 
 def predict(acceptances=(0.95, 0.7, 0.3), draft="Qwen/Qwen3-0.6B",
-            targets=("Qwen/Qwen3-8B", "Qwen/Qwen3-32B")) -> list[dict]:
-    """The batch-1 BF16 speed-up per machine, target and acceptance (module docstring)."""
+            targets=("Qwen/Qwen3-8B", "Qwen/Qwen3-32B"), coverage=None) -> list[dict]:
+    """The batch-1 BF16 speed-up per machine, target, acceptance and draft vocabulary (module
+    docstring): the whole head, then each cut in `coverage` ({N: share of text tokens below N},
+    draft_vocab_coverage's)."""
     from kipp.engine.draft import MODEL_GATE
     from kipp.formats import registry
 
     sizes = MODEL_GATE["sizes"]
+    entry = registry.get(draft)
+    whole = 2 * entry.parameter_count  # BF16 bytes a draft step reads, its head included
+    vocabs = [(FULL, 1.0, 1.0)] + [  # (vocabulary, coverage, draft step's share of whole)
+        (int(n), c, 1 - 2 * (registry.VOCAB_SIZE - int(n)) * entry.hidden / whole)
+        for n, c in (coverage or {}).items()]
     out = []
     h200 = _h200_steps([registry.get(c) for c in (draft, *targets)])
-    if h200 is not None:
-        draft_step = h200[draft][0]
-        for target in targets:
-            step, verify = h200[target]
-            for a in acceptances:
-                k = max((k for k in sizes if k + 1 <= 8),
-                        key=lambda k: _gain(a, k, step, verify, draft_step))
-                out.append({"machine": "H200 SXM", "model": h200["report"], "target": target,
-                            "draft": draft, "acceptance": a, "k": k,
-                            "step_ms": step * 1e3, "verify_ms": verify * 1e3,
-                            "draft_step_ms": draft_step * 1e3,
-                            "speedup": max(1.0, _gain(a, k, step, verify, draft_step))})
     name, bandwidth, flops = MAC
-    d = 2 * registry.get(draft).parameter_count
     for target in targets:
         t = 2 * registry.get(target).parameter_count
-        step, draft_step = t / bandwidth, d / bandwidth
-        for a in acceptances:
-            def gain(k):
-                return _gain(a, k, step, max(step, t * (k + 1) / flops), draft_step)
-            k = max(sizes, key=gain)
-            out.append({"machine": name, "model": "bandwidth", "target": target, "draft": draft,
-                        "acceptance": a, "k": k, "step_ms": step * 1e3,
-                        "draft_step_ms": draft_step * 1e3, "speedup": max(1.0, gain(k))})
+        mac_step = t / bandwidth
+        machines = [(name, "bandwidth", sizes, mac_step,
+                     lambda k: max(mac_step, t * (k + 1) / flops), whole / bandwidth)]
+        if h200 is not None:  # a verify of up to 8 rows, timed at M = 8
+            step, verify = h200[target]
+            machines.insert(0, ("H200 SXM", h200["report"], [k for k in sizes if k + 1 <= 8],
+                                step, lambda k, v=verify: v, h200[draft][0]))
+        for vocab, covered, share in vocabs:
+            for a in acceptances:
+                for machine, model, ks, step, verify, draft_step in machines:
+                    out.append({"machine": machine, "model": model, "target": target,
+                                "draft": draft, "draft_vocab": vocab, "acceptance": a,
+                                "draft_acceptance": a * covered,
+                                **_best(a * covered, ks, step, verify, draft_step * share)})
     return out
+
+
+def _best(a: float, sizes, step: float, verify, draft_step: float) -> dict:
+    """The gate's best draft length at acceptance `a` and its speed-up (never below plain)."""
+    k = max(sizes, key=lambda k: _gain(a, k, step, verify(k), draft_step))
+    return {"k": k, "step_ms": step * 1e3, "verify_ms": verify(k) * 1e3,
+            "draft_step_ms": draft_step * 1e3,
+            "speedup": max(1.0, _gain(a, k, step, verify(k), draft_step))}
 
 
 def main(argv=None) -> int:
@@ -266,7 +278,9 @@ def main(argv=None) -> int:
     costs = gate_costs(target, drafts)
     results = measure(target, drafts, costs, args)
     rows = summarize(results, args)
-    predicted = predict()
+    coverage = vocab_coverage(target, args.draft_vocab)
+    predicted = predict(coverage={str(v): coverage[str(v)] for v in args.draft_vocab
+                                  if v != FULL})
     command = "python -m bench spec " + " ".join(shlex.quote(a) for a in
                                                  (argv if argv is not None else sys.argv[1:]))
     record = records.new(
@@ -274,7 +288,7 @@ def main(argv=None) -> int:
         workload={"name": "spec-draft", "max_tokens": args.tokens, "streams": args.streams,
                   "drafts": {a: f"kipp-synthetic/qwen3-0.6b-draft-{a}" for a in args.agree},
                   "draft_vocab": args.draft_vocab,
-                  "draft_vocab_coverage": vocab_coverage(target, args.draft_vocab),
+                  "draft_vocab_coverage": coverage,
                   "texts": "see bench/draft_bench.py's docstring",
                   "gate_costs": {f"{a}/{v}": c for (a, v), c in costs.items()}},
         protocol={"warmup": args.warmup, "runs": args.runs, "interleaved": True,
@@ -288,8 +302,9 @@ def main(argv=None) -> int:
               f"{s['median']:.2f}x (MAD {s['mad']:.2f}), acceptance {row['acceptance_rate']:.0%}"
               f", identical {row['identical']}")
     for p in predicted:
-        print(f"predicted {p['machine']:18s} {p['draft']} -> {p['target']}: acceptance "
-              f"{p['acceptance']:.0%}, k={p['k']}: {p['speedup']:.2f}x")
+        print(f"predicted {p['machine']:18s} {p['draft']} (vocab {p['draft_vocab']}) -> "
+              f"{p['target']}: acceptance {p['acceptance']:.0%}, k={p['k']}: "
+              f"{p['speedup']:.2f}x")
     print(path)
     return 0 if all(row["identical"] for row in rows) else 1
 

@@ -499,6 +499,35 @@ def test_the_spec_prediction_uses_the_compile_reports_step_times():
             assert len(gains) == 3 and gains == sorted(gains) and gains[-1] > 2
 
 
+def test_the_spec_prediction_prices_a_cut_draft_head():
+    """A draft vocabulary's rows: the draft step loses the BF16 bytes of the head rows past
+    the cut (Qwen3-0.6B's tied head, 1,024 wide), and the acceptance is scaled by the share of
+    text below the cut; at a coverage of 1 the cut can only gain, and at the measured 93% it
+    loses at 95% acceptance, where every drafted token counts most."""
+    from bench import draft_bench
+    from kipp.formats import registry
+
+    rows = draft_bench.predict(coverage={"32768": 0.931, "65536": 1.0, "151936": 1.0})
+    assert {r["draft_vocab"] for r in rows} == {"full", 32768, 65536, 151936}
+    draft_bytes = 2 * registry.get("Qwen/Qwen3-0.6B").parameter_count
+    cut_bytes = 2 * (151_936 - 32_768) * 1024
+    for full in (r for r in rows if r["draft_vocab"] == "full"):
+        def same(vocab):
+            [row] = [r for r in rows if r["draft_vocab"] == vocab and r["machine"] ==
+                     full["machine"] and r["target"] == full["target"] and
+                     r["acceptance"] == full["acceptance"]]
+            return row
+        cut, covered, whole = same(32768), same(65536), same(151936)
+        assert math.isclose(cut["draft_acceptance"], 0.931 * full["acceptance"])
+        assert math.isclose(cut["draft_step_ms"],
+                            full["draft_step_ms"] * (draft_bytes - cut_bytes) / draft_bytes)
+        assert covered["speedup"] >= full["speedup"]
+        assert whole["speedup"] == full["speedup"]  # a cut at the vocabulary cuts nothing
+        assert cut["step_ms"] == full["step_ms"]
+        if full["acceptance"] == 0.95:
+            assert cut["speedup"] < full["speedup"]
+
+
 def test_kipp_arms_per_cpu_dot_load_with_that_dot(artifacts, monkeypatch):
     """`bench run --cpu-dot f32,bf16`: one Kipp arm per dot, named by it; each loads with
     $KIPP_JAX_CPU_DOT set to its dot (the backend says which it runs) and restores the
