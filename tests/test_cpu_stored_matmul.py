@@ -542,6 +542,7 @@ def test_the_matvec_benchmark_reports_every_scheme_and_dot():
     assert all(float(line.split()[-1]) > 0 for line in lines)
 
 
+@pytest.mark.slow  # CI's stored CPU matmul step
 @needs_kernel
 def test_the_step_matmuls_benchmark_reports_every_scheme_and_row_count():
     """`python -m kipp.cuda.bench --step-matmuls`, at the tiny shape: one line per scheme and

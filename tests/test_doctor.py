@@ -66,7 +66,8 @@ def assert_gate_rows_say_what_they_measured(report: dict, printed: str) -> None:
     assert "batched vs isolated" in rows and "argmax identical" in rows["batched vs isolated"]
 
 
-@pytest.mark.parametrize("backend", ["jax", pytest.param("mlx", marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI's longest default checks
+@pytest.mark.parametrize("backend", ["jax", "mlx"])
 def test_doctor_on_the_twins(artifacts, synthetic_dir, backend):
     pytest.importorskip({"jax": "jax", "mlx": "mlx.core"}[backend])
     report = doctor.collect(None, backend, tiny=artifacts(TINY), tiny_source=synthetic_dir(TINY))

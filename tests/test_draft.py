@@ -226,7 +226,8 @@ def cut_pair(artifacts):
     return get
 
 
-@pytest.mark.parametrize("backend", ["reference", "jax", "mlx"])
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "jax",
+                                     pytest.param("mlx", marks=pytest.mark.slow)])
 def test_a_cut_head_scores_the_first_ids_alone(cut_pair, models, backend):
     target = cut_pair(backend)
     assert target.draft.head_rows == CUT and target.head_rows == 151_936
@@ -343,7 +344,8 @@ def test_a_draft_with_another_tokenizer_is_refused(models):
     target.pool.check()
 
 
-@pytest.mark.parametrize("agree", [95, 70, 30])
+@pytest.mark.parametrize("agree", [pytest.param(95, marks=pytest.mark.slow), 70,
+                                   pytest.param(30, marks=pytest.mark.slow)])
 def test_the_synthetic_drafts_agree_with_the_0_6b_shape_at_their_dial(models, agree):
     """The drafts follow their own designed rule (the weights implement it), and that rule
     predicts the 0.6B shape's greedy text at about the dialled rate."""

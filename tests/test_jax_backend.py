@@ -68,9 +68,10 @@ def test_packed_layout_twins_match_reference(artifacts, scheme):
     _gate(ref, jb, prompt_len=20, decode_steps=2)
 
 
-@pytest.mark.parametrize("weight_memory,kv_scheme,decode_only", [
-    ("stored", "q8_0", False), ("float32", "bf16", False), ("float32", "bf16", True),
-    ("stored", "bf16", True)])
+@pytest.mark.parametrize("weight_memory,kv_scheme,decode_only", [  # CI runs the slow ones
+    pytest.param("stored", "q8_0", False, marks=pytest.mark.slow),
+    pytest.param("float32", "bf16", False, marks=pytest.mark.slow),
+    ("float32", "bf16", True), ("stored", "bf16", True)])
 def test_scanned_step_is_bitwise_the_per_layer_step(artifacts, weight_memory, kv_scheme,
                                                      decode_only):
     """The CPU twins' stored and panel layouts stack the layers and scan one layer's code over

@@ -15,7 +15,8 @@ pytest.importorskip("jax")
 
 
 @pytest.mark.parametrize("checkpoint_id,scheme,layout", [
-    ("kipp-synthetic/qwen3-tiny-untied", "bf16", "f32"),  # GQA group 5: 20 heads per device
+    pytest.param("kipp-synthetic/qwen3-tiny-untied", "bf16", "f32",  # GQA group 5: 20 heads
+                 marks=pytest.mark.slow),  # per device (CI's longest default checks)
     ("kipp-synthetic/qwen3-tiny", "q8_0", "device"),  # packed int8 planes, split rows/groups
 ])
 def test_two_devices_match_one(artifacts, checkpoint_id, scheme, layout):

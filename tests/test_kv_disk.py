@@ -129,7 +129,7 @@ def test_restart_restores_the_prefix_bitwise(tiny, tmp_path):
     assert m.kv_disk.stats()["hits"] == before
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
+@pytest.mark.parametrize("ahead", [1, pytest.param(3, marks=pytest.mark.slow)])  # CI: longest
 def test_a_restore_in_several_runs_is_bitwise_and_a_failed_import_leaves_the_pool(
         tiny, tmp_path, monkeypatch, ahead):
     """The restore reads the next run of blocks while the backend imports this one: with runs
@@ -207,8 +207,9 @@ def mutate_foreign(path: Path, other: Path):
     path.write_bytes(other.read_bytes())  # the same block (same name) of another namespace
 
 
-@pytest.mark.parametrize("mutate", [mutate_truncate, mutate_flip, mutate_foreign],
-                         ids=["truncated", "flipped-byte", "foreign"])
+@pytest.mark.parametrize("mutate", [  # the flip in CI's longest default checks
+    mutate_truncate, pytest.param(mutate_flip, marks=pytest.mark.slow), mutate_foreign],
+    ids=["truncated", "flipped-byte", "foreign"])
 @pytest.mark.parametrize("foreign", [dict(kv_scheme="q8_0"), dict(scheme="q8_0")],
                          ids=["kv-scheme", "artifact"])
 def test_a_bad_block_file_is_dropped_and_recomputed(tiny, artifacts, tmp_path, mutate,
@@ -263,7 +264,8 @@ class _Refusing:
         return Half()
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["full-disk", "read-only"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, pytest.param(errno.EROFS, marks=pytest.mark.slow)],
+                         ids=["full-disk", "read-only"])  # read-only: CI's longest default checks
 def test_an_unwritable_disk_is_counted_and_serving_goes_on(tiny, tmp_path, monkeypatch, code):
     files = saved(tiny, tmp_path)  # a tier with the first blocks, then the disk refuses
     keep = [block_file(files[0].parent, i) for i in range(3)]

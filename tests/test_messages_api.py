@@ -469,6 +469,7 @@ def _inline_reasoning(server, budget, max_tokens):
     return text, tokens.index("</think>") + 1
 
 
+@pytest.mark.slow  # CI's longest default checks (with the next, the thinking server's only users)
 def test_thinking_with_a_budget_is_the_inline_reasoning_split(thinking_server):
     budget, max_tokens = 20, 32
     inline, think_tokens = _inline_reasoning(thinking_server, budget, max_tokens)

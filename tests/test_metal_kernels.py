@@ -512,6 +512,7 @@ def test_a_kernel_runner_means_the_kernel_path(artifacts):
         MLXBackend(artifact, 4, path="twins", kernel_runner=FAST)
 
 
+@pytest.mark.slow  # CI's metal emulator step
 def test_decode_batch_on_emulated_kernels_equals_isolated(artifacts):
     """Three sequences decoding in one round (matvec M = 3, attention S = 3) give each one's
     isolated logits bit for bit: rows never mix in the kernels."""
@@ -557,7 +558,8 @@ def test_fault_catalogue_names_the_tests_that_plant_them():
         assert callable(globals()[row["test"]]) and row["caught_by"], row["name"]
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI's metal emulator step
+@pytest.mark.parametrize("ranks", [2, 4])
 def test_tensor_parallel_ranks_on_emulated_kernels(artifacts, ranks):
     """Every rank of a tensor-parallel group (kipp.apple.distributed's Emulation: the group's
     shards in one process) runs the real Metal sources on its own shard: its projections' rows

@@ -58,6 +58,7 @@ def stdout_of(notebook, cell_id: str) -> str:
                    if o.output_type == "stream" and o.name == "stdout")
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_quickstart_notebook_runs(kernel_env):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     [parameters] = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]

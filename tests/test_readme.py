@@ -104,13 +104,22 @@ def test_the_parser_reads_markers_and_rejects_an_unclosed_fence():
 
 
 @pytest.fixture(scope="module")
-def block_env(stocked_home, tmp_path_factory):
-    """The environment a block runs in: the test store, the worktree's kipp, `kipp` on PATH."""
+def block_env(stock_store, tmp_path_factory):
+    """The environment a block runs in: a store with the tiny checkpoint made, the worktree's
+    kipp, `kipp` on PATH. The store's kernel builds are this process's (kipp.cuda.cpu.matmul
+    keys each by everything it depends on), so no block pays the C++ compile again."""
+    from kipp.formats import store
+
+    home = stock_store(tmp_path_factory.mktemp("kipp-home"), "kipp-synthetic/qwen3-tiny",
+                       ("bf16", "q8_0"))
+    builds = store.home() / "build"
+    builds.mkdir(parents=True, exist_ok=True)
+    (home / "build").symlink_to(builds, target_is_directory=True)
     bin_dir = tmp_path_factory.mktemp("bin")
     shim = bin_dir / "kipp"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kipp.cli "$@"\n')
     shim.chmod(0o755)
-    env = dict(os.environ, KIPP_HOME=str(stocked_home), PYTHONUNBUFFERED="1",
+    env = dict(os.environ, KIPP_HOME=str(home), PYTHONUNBUFFERED="1",
                PATH=os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent),
                                      os.environ.get("PATH", "")]),
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))

@@ -68,7 +68,8 @@ def test_scrambled_block_table_is_bitwise_identity(models, checkpoint_id, scheme
     assert result.passed, result
 
 
-@pytest.mark.parametrize("checkpoint_id,scheme", [(TINY, "bf16"), (UNTIED, "q8_0")])
+@pytest.mark.parametrize("checkpoint_id,scheme", [  # CI's longest default checks run the second
+    (TINY, "bf16"), pytest.param(UNTIED, "q8_0", marks=pytest.mark.slow)])
 def test_batched_mixed_lengths_bitwise_equal_isolated(models, checkpoint_id, scheme):
     result = gates.gate_batched(models(checkpoint_id, scheme))
     assert result.passed, result
@@ -170,9 +171,9 @@ def test_pool_exhaustion_fails_cleanly(artifacts):
 QUALITY_NMSE = {"q8_0": 2e-4, "affine4_gs32": 3e-2, "scale4_gs32": 3e-2}
 
 
-# the 4-bit schemes' reports take 26 s of the default suite: CI's longest default checks
-@pytest.mark.parametrize("scheme", ["q8_0", *(pytest.param(s, marks=pytest.mark.slow)
-                                              for s in ("affine4_gs32", "scale4_gs32"))])
+# the reports take 10-13 s each: CI's longest default checks
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["q8_0", "affine4_gs32", "scale4_gs32"])
 def test_quantized_quality_report(models, scheme):
     result = gates.quality_report(models(TINY, scheme), models(TINY, "bf16"))
     print(gates.format_table([result]))

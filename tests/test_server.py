@@ -447,7 +447,7 @@ def _read_sse(port: int, body: dict, results: dict, key, first: threading.Event)
         conn.close()
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_a_signal_drains_and_every_client_gets_a_clean_end(artifact, signum):
     import signal
 

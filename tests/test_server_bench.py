@@ -100,6 +100,7 @@ def test_server_bench_against_kipp_serve(artifacts, tmp_path):
     assert between["prompt_tokens"] == OTHER_TOKENS and between["cached_tokens"] == 0
 
 
+@pytest.mark.slow  # CI's longest default checks
 def test_engine_bench_against_kipp_serve(artifacts, tmp_path):
     """`bench engine` on the reference backend, tiny sizes: three valid records whose values are
     the same-run ratios they claim, the scheduler's own step time, and a repeated prompt that

@@ -133,7 +133,8 @@ def test_always_right_drafter(models):
     assert spec.spec.drafted == STEPS - 1 - spec.decode_evals  # never drafts past max_tokens
 
 
-@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("gated", [pytest.param(True, marks=pytest.mark.slow),  # CI: longest
+                                   False])
 def test_always_wrong_drafter(models, gated):
     model = models(TINY)
     prompt = _prompts(model)["repetitive"]

@@ -68,7 +68,8 @@ def schema_format(name, schema):
             "json_schema": {"name": name.replace(" ", "_"), "schema": schema, "strict": True}}
 
 
-@pytest.mark.parametrize("name", SCHEMAS)
+@pytest.mark.parametrize("name", [  # the longest reply: CI's longest default checks
+    pytest.param(n, marks=pytest.mark.slow) if n == "nested objects" else n for n in SCHEMAS])
 def test_schema_table_through_the_openai_client(server, name):
     client, schema = server.client(), SCHEMAS[name]
     fmt = schema_format(name, schema)
