@@ -131,7 +131,8 @@ def _step_params():
             round_ = "prefill" if scheme in ("bf16", "scale4_gs32") else "decode"
             cases.append((size, scheme, "bf16", round_))
     cases += [("0.6B", "q8_0", "q8_0", "prefill"), ("0.6B", "q8_0", "q8_0", "decode")]
-    # all in CI's H200 compile step: the cheapest whole step takes 18 s of the default suite
+    # all in CI's H200 compile step: even the cheapest whole step is among the default suite's
+    # longest tests
     return [pytest.param(*c, id="-".join(c[:2]) + f"-kv_{c[2]}-{c[3]}", marks=pytest.mark.slow)
             for c in cases]
 

@@ -171,7 +171,7 @@ def test_pool_exhaustion_fails_cleanly(artifacts):
 QUALITY_NMSE = {"q8_0": 2e-4, "affine4_gs32": 3e-2, "scale4_gs32": 3e-2}
 
 
-# the reports take 10-13 s each: CI's longest default checks
+# each report is among the default suite's longest tests: CI's longest default checks
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["q8_0", "affine4_gs32", "scale4_gs32"])
 def test_quantized_quality_report(models, scheme):
