@@ -503,7 +503,7 @@ def test_the_fallback_paths_give_the_same_bits(tmp_path_factory, isa):
         if tiles and isa == "avx512_vnni":
             continue  # the AMX build's tile dot is the reference's own numerics, not these
         for m, k in ((1, 160), (3, 160), (8, 160), (13, 160), (4, 2080), (8, 2080)):
-            x, w, _ = _case(m + 40, scheme, m, 37, k)  # at 2080, spans of K (not in AVX2)
+            x, w, _ = _case(m + 40, scheme, m, 37, k)  # at 2080, spans of K
             fallback = _call_build(suffix, scheme, dot, x, w)
             if tiles:
                 reference = _call_build(_register("avx512_vnni", directory), scheme, dot, x, w)

@@ -7,9 +7,11 @@
 // per output is two 8-lane chains here (lanes 0-7 and 8-15 of each 16-weight step), each fed
 // in k order, then Sum16's add tree; so each output's bits equal the AVX-512 and plain builds'
 // (tests/test_cpu_stored_matmul.py builds each and compares them bitwise). Tiles are sized for
-// AVX2's 16 vector registers: two accumulators per output. Decode tiles prefetch the W rows
-// a few tiles ahead (stored_matmul.cc's PrefetchAhead): side-by-side row streams outrun the
-// hardware prefetcher here too.
+// AVX2's 16 vector registers: two accumulators per output. Decode rounds run in spans of K
+// as the other builds' do (stored_matmul.cc's SpanBlocks: a round whose x rows overflow L1
+// would read them again from L2 for every W row), and their tiles prefetch the W rows a few
+// tiles ahead (PrefetchAhead): side-by-side row streams outrun the hardware prefetcher here
+// too.
 #ifndef KIPP_CUDA_CPU_STORED_AVX2_H_
 #define KIPP_CUDA_CPU_STORED_AVX2_H_
 
@@ -64,15 +66,22 @@ inline float Sum(__m256 lo, __m256 hi) {
 }
 
 // R rows of x (a decode round) against W rows n0 .. n0 + C - 1, each block decoded into
-// registers once per W row: FusedTile's chains (element j of a block feeds half (j / 8) % 2).
+// registers once per W row: FusedTile's chains (element j of a block feeds half (j / 8) % 2),
+// over blocks [b0, b1) of K as stored_matmul.cc's FusedTile runs its spans. The chains start
+// from `carry` unless b0 is the first block and end there unless b1 is past the last; output
+// (r, c)'s pair of chains is carry[2 * (c * stride + r)]: parked and picked up again, the same
+// chains, so spans change no output's bits.
 template <Format F, int R, int C>
 void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, const uint16_t* m,
-               int64_t n0, float* y, int64_t ldy) {
+               int64_t n0, int64_t b0, int64_t b1, __m256* carry, int64_t stride, float* y,
+               int64_t ldy) {
   const int64_t blocks = k / kBlock;
   __m256 acc[R][C][2];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        acc[r][c][h] = b0 == 0 ? _mm256_setzero_ps() : carry[2 * (c * stride + r) + h];
+  for (int64_t b = b0; b < b1; ++b) {
     PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);  // as FusedTile's
     for (int c = 0; c < C; ++c) {
       __m256 wv[4];
@@ -87,16 +96,26 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + n0 + c] = Sum(acc[r][c][0], acc[r][c][1]);
+    for (int c = 0; c < C; ++c) {
+      if (b1 < blocks) {
+        for (int h = 0; h < 2; ++h) carry[2 * (c * stride + r) + h] = acc[r][c][h];
+      } else {
+        y[r * ldy + n0 + c] = Sum(acc[r][c][0], acc[r][c][1]);
+      }
+    }
 }
 
 // Tiles of up to 4 x rows; W rows per tile as many as keep 2 * R * C accumulators at 8 or fewer.
 constexpr int kRows = 4;
 constexpr int Width(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
+// A decode round's tile as Fused's table holds it.
+using SpanTileFn = void (*)(const float*, int64_t, const void*, const uint16_t*,
+                            const uint16_t*, int64_t, int64_t, int64_t, __m256*, int64_t,
+                            float*, int64_t);
 template <Format F>
 struct Fused {
-  static constexpr FusedFn kTiles[kRows][kTile] = {
+  static constexpr SpanTileFn kTiles[kRows][kTile] = {
       {FusedTile<F, 1, 1>, FusedTile<F, 1, 2>, FusedTile<F, 1, 3>, FusedTile<F, 1, 4>},
       {FusedTile<F, 2, 1>, FusedTile<F, 2, 2>, nullptr, nullptr},
       {FusedTile<F, 3, 1>, nullptr, nullptr, nullptr},
@@ -129,20 +148,27 @@ constexpr TileFn kTiles[kLongRows][kLongCols] = {
     {Tile<1, 1>, Tile<1, 2>}, {Tile<2, 1>, Tile<2, 2>}, {Tile<3, 1>, Tile<3, 2>}};
 
 // stored_matmul.cc's Unit: W rows [u * group, ...) against all M rows of x. A decode round
-// runs its rows in chunks of kRows over each tile of W rows (the tile's weights stay in L1
-// from one chunk to the next); a longer one decodes the group into the scratch first.
+// runs span by span, its rows in chunks of kRows over each tile of W rows (the tile's weights
+// stay in L1 from one chunk to the next); a longer one decodes the group into the scratch
+// first.
 template <Format F>
 void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, float* y,
           int64_t rows, int64_t k, int64_t n, int64_t group, int64_t u) {
   const int64_t first = u * group, count = std::min(group, n - first);
   if (rows <= kFusedRows) {
-    for (int64_t c = 0; c < count; c += kTile) {
-      const int64_t tc = std::min(kTile, count - c);
-      for (int64_t r = 0; r < rows; r += kRows) {
-        const int64_t tr = std::min<int64_t>(kRows, rows - r), width = Width(tr);
-        for (int64_t j = 0; j < tc; j += width) {
-          Fused<F>::kTiles[tr - 1][std::min(width, tc - j) - 1](x + r * k, k, w, d, m,
-                                                                first + c + j, y + r * n, n);
+    const int64_t blocks = k / kBlock, span = SpanBlocks(rows, blocks);
+    alignas(32) __m256 carry[2 * kGroup * kFusedRows];  // W row c's chains from 2 * c * rows
+    for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+      const int64_t b1 = std::min(blocks, b0 + span);
+      for (int64_t c = 0; c < count; c += kTile) {
+        const int64_t tc = std::min(kTile, count - c);
+        for (int64_t r = 0; r < rows; r += kRows) {
+          const int64_t tr = std::min<int64_t>(kRows, rows - r), width = Width(tr);
+          for (int64_t j = 0; j < tc; j += width) {
+            Fused<F>::kTiles[tr - 1][std::min(width, tc - j) - 1](
+                x + r * k, k, w, d, m, first + c + j, b0, b1,
+                carry + 2 * ((c + j) * rows + r), rows, y + r * n, n);
+          }
         }
       }
     }

@@ -389,9 +389,7 @@ inline int64_t SpanBlocks(int64_t rows, int64_t blocks, int64_t x_bytes = sizeof
   return std::max(kScaleRun, kSpanBytes / block_bytes / kScaleRun * kScaleRun);
 }
 
-// A decode round's tile as the tables hold it: stored_avx2.h's (whole rows), this file's (spans).
-using FusedFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
-                         int64_t, float*, int64_t);
+// A decode round's tile as the tables hold it (stored_avx2.h has its own, in 8-float halves).
 using SpanFn = void (*)(const float*, int64_t, const void*, const uint16_t*, const uint16_t*,
                         int64_t, int64_t, int64_t, v16*, float*, int64_t);
 // The tiles a round uses, R x rows by C W rows (nullptr for shapes no round makes).
