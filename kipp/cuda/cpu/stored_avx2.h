@@ -133,7 +133,8 @@ void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
       __m256 wv[C];
       for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * k + i + 8 * h);
       for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * k + i + 8 * h);
+        __m256 xv = _mm256_loadu_ps(x + r * k + i + 8 * h);
+        asm("" : "+x"(xv));  // as stored_matmul.cc's Pin: one load for the C FMAs, not C
         for (int c = 0; c < C; ++c) acc[r][c][h] = _mm256_fmadd_ps(xv, wv[c], acc[r][c][h]);
       }
     }
@@ -142,7 +143,8 @@ void Tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
     for (int c = 0; c < C; ++c) y[r * ldy + c] = Sum(acc[r][c][0], acc[r][c][1]);
 }
 
-// A long round's tiles: 3 x rows by 2 W rows (12 accumulators, 2 weight vectors, one x).
+// A long round's tiles: 3 x rows by 2 W rows (12 accumulators, 2 weight vectors, one x held
+// in a register).
 constexpr int64_t kLongRows = 3, kLongCols = 2;
 constexpr TileFn kTiles[kLongRows][kLongCols] = {
     {Tile<1, 1>, Tile<1, 2>}, {Tile<2, 1>, Tile<2, 2>}, {Tile<3, 1>, Tile<3, 2>}};
