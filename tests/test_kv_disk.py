@@ -462,6 +462,7 @@ def test_metrics_and_doctor_show_the_tier(tiny, tmp_path):
     assert "KV disk" in repr(m) and f"{FILES} blocks" in repr(m)
 
 
+@pytest.mark.slow  # CI's longest-checks step; a later process's warmed prefix stays
 def test_a_restarted_server_restores_the_prefix(tiny, tmp_path):
     """`kipp serve` stopped and started again on the same --kv-cache-dir: the repeated prompt's
     usage counts every restored token as cached, /metrics counts the disk hits, and the greedy

@@ -620,6 +620,7 @@ def _split_inline(text: str) -> tuple[str, str]:
     return reasoning.strip("\n"), answer.lstrip("\n")
 
 
+@pytest.mark.slow  # CI's longest-checks step; tests/test_reasoning.py splits the same text
 def test_reasoning_item_and_message_equal_the_inline_reply(thinking):
     client = thinking.client()
     body = {"input": "Say something long.", "max_output_tokens": 20, "temperature": 0}

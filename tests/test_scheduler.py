@@ -320,7 +320,8 @@ def test_step_counters_time_the_engine_and_count_compiles(model, monkeypatch):
     assert s["compiles"] == 2 and s["compile_seconds"] == pytest.approx(3.5)
 
 
-@pytest.mark.parametrize("case", ["greedy", "seeded", "grammar", "seeded-grammar",
+@pytest.mark.parametrize("case", ["greedy", pytest.param("seeded", marks=pytest.mark.slow),
+                                  "grammar", "seeded-grammar",
                                   pytest.param("speculative", marks=pytest.mark.slow)])
 def test_the_python_api_and_the_scheduler_make_the_same_tokens(model, case):
     """Model.generate pumps the model's own scheduler; a Request on another Scheduler over the

@@ -97,9 +97,10 @@ def backend_models(models, artifacts):
     return get
 
 
-# the reference's verifies take 18 s of the default suite; CI's longest-checks step runs it
+# the reference's verifies and the JAX backend's compiles are the slowest; CI's longest-checks
+# step runs them, MLX stays in the default suite
 @pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow),
-                                     "jax", "mlx"])
+                                     pytest.param("jax", marks=pytest.mark.slow), "mlx"])
 def test_speculative_equals_plain_greedy(backend_models, backend):
     model = backend_models(backend)
     for name, prompt in _prompts(model).items():
@@ -209,6 +210,7 @@ def test_rollback_into_an_adopted_shared_block(models):
     model.pool.check()
 
 
+@pytest.mark.slow  # CI's longest-checks step
 def test_stop_string_and_max_tokens_cut_where_plain_does(models):
     model = models(TINY)
     prompt = _prompts(model)["copy"]
