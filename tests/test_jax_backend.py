@@ -52,8 +52,12 @@ def _gate(ref, jb, prompt_len=30, decode_steps=4, seed=0, bound=BOUND):
     assert result.passed, result.detail
 
 
-@pytest.mark.parametrize("checkpoint_id", [TINY, UNTIED])
-@pytest.mark.parametrize("scheme", SCHEMES)
+# the untied checkpoint at affine4_gs32 in CI's artifacts step (its other schemes and the tied
+# checkpoint's affine4_gs32 stay in the default suite)
+@pytest.mark.parametrize("checkpoint_id,scheme", [
+    pytest.param(c, s, id=f"{s}-{c}",
+                 marks=[pytest.mark.slow] if (c, s) == (UNTIED, "affine4_gs32") else [])
+    for s in SCHEMES for c in (TINY, UNTIED)])
 def test_jax_matches_reference(artifacts, checkpoint_id, scheme):
     """The default path for this machine (CPU: twins on float32 weights)."""
     ref, jb = _backends(artifacts, checkpoint_id, scheme)
