@@ -81,50 +81,72 @@ def spec_config(draft_model, target=None, lookup: bool = False, **gate) -> SpecC
                       gate=functools.partial(AdaptiveGate, **gate), draft_model=draft_model)
 
 
-def draft_cost(target, draft, repeats: int = 3) -> float:
+def draft_cost(target, draft, passes: int = 3) -> float:
     """A draft token's cost in target steps, measured: the ratio of the two models' fastest
     one-token evals. The weights' size ratio alone misses what every eval pays besides reading
     the weights (the head over the vocabulary, dispatch, the host's share), which is most of a
     draft model a hundred times smaller than its target."""
     if draft is target:
         return 1.0
-    return _eval_seconds(draft, 1, repeats) / _eval_seconds(target, 1, repeats)
+    with _EvalTimer(target, 1) as timed_target, _EvalTimer(draft, 1) as timed_draft:
+        best = fastest({"target": timed_target, "draft": timed_draft}, passes)
+    return best["draft"] / best["target"]
 
 
 def verify_costs(target, rows: tuple[int, ...] = VERIFY_ROWS,
-                 repeats: int = 2) -> tuple[tuple[int, float], ...]:
+                 passes: int = 3) -> tuple[tuple[int, float], ...]:
     """((rows, cost), ...): an eval of each of `rows` token rows with every row's logits, in
     one-token evals, timed on the target (AdaptiveGate.row_costs). Measured, not a backend's
     constant: whether a few rows cost about one row's depends on the machine (a GPU reads the
     weights once for all; a CPU pays each row's FLOPs) and on the compiled round each count
     falls in. A count never costs less than a smaller one: a dip is timing noise."""
-    # every cost divides by this one: it is cheap, so its fastest of more repeats steadies them
-    one = _eval_seconds(target, 1, 2 * repeats + 1)
+    counts = (1, *sorted(rows))
+    with _EvalTimer(target, max(counts)) as timed:
+        best = fastest({n: functools.partial(timed, n) for n in counts}, passes)
     costs, floor = [], 1.0
     for n in sorted(rows):
-        floor = max(floor, _eval_seconds(target, n, repeats) / one)
+        floor = max(floor, best[n] / best[1])
         costs.append((n, round(floor, 3)))
     return tuple(costs)
 
 
-def _eval_seconds(model, rows: int, repeats: int) -> float:
-    """The fastest of `repeats` evals of `rows` tokens (every row's logits) on a scratch
-    session, after one that may compile; random ids, nothing published. Every eval starts at
-    position 0 (the session truncated between them), so all run the first one's compiled
-    program: a deeper position could fall in another block-table bucket and time a compile."""
-    ids = [int(t) for t in np.random.default_rng(0).integers(1, 100_000, rows * (repeats + 1))]
-    session = model.session(rows)
-    try:
-        session.eval(ids[:rows], logits_rows=rows)
-        seconds = []
-        for i in range(1, repeats + 1):
-            session.truncate(0)
-            start = time.perf_counter()
-            session.eval(ids[i * rows:(i + 1) * rows], logits_rows=rows)
-            seconds.append(time.perf_counter() - start)
-        return min(seconds)
-    finally:
-        session.close(publish=False)
+def fastest(timers: dict, passes: int) -> dict:
+    """Each timer's fastest of `passes` timings, after one untimed call each (a compile). Each
+    pass goes round all the timers: a burst of load from elsewhere slows the few timings it
+    overlaps, whichever timers' they are, where one timer's repeats run back to back could all
+    fall in one burst and price that count alone at several times its cost."""
+    for timer in timers.values():
+        timer()
+    best = {key: float("inf") for key in timers}
+    for _ in range(passes):
+        for key, timer in timers.items():
+            best[key] = min(best[key], timer())
+    return best
+
+
+class _EvalTimer:
+    """Times evals of n random ids (every row's logits) on one scratch session, each from
+    position 0 (the session truncated between them), so each count runs its first eval's
+    compiled program: a deeper position could fall in another block-table bucket and time a
+    compile. Nothing is published."""
+
+    def __init__(self, model, capacity: int):
+        self.model, self.capacity = model, capacity
+        self.rng = np.random.default_rng(0)
+
+    def __enter__(self):
+        self.session = self.model.session(self.capacity)
+        return self
+
+    def __exit__(self, *exc):
+        self.session.close(publish=False)
+
+    def __call__(self, rows: int = 1) -> float:
+        ids = [int(t) for t in self.rng.integers(1, 100_000, rows)]
+        self.session.truncate(0)
+        start = time.perf_counter()
+        self.session.eval(ids, logits_rows=rows)
+        return time.perf_counter() - start
 
 
 class ModelDrafter:
