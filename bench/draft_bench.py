@@ -12,8 +12,11 @@ moved). Prompts are three live tokens, so the target walks its designed chain. E
 draft, interleaved per round after `--warmup` rounds; a run that compiled a step shape it had
 not met (the target's or the draft's) is run again, so no compile is inside a measurement.
 The value is decode tok/s (generated tokens over the wall time from the last prompt's logits to
-the end); the speed-up is the median over rounds of spec / plain. Greedy spec runs must emit
-exactly the plain run's tokens, or the command fails. `--draft-vocab full 32768` measures each
+the end). Each arm's spec runs sit between two plain runs, and a round's speed-up is spec over
+the geometric mean of the two: a shared host's load drifts over a round's runs, and one plain
+run before them all measured a drafting arm against an earlier minute. The speed-up is the
+median over rounds. Greedy spec runs must emit exactly the plain runs' tokens, or the command
+fails. `--draft-vocab full 32768` measures each
 draft twice in the same rounds: its head over the whole vocabulary, and over the first 32,768
 ids (load's draft_vocab); the record keeps the share of this repository's docs' and code's
 tokens below each cut, what a real pair's drafts could still propose.
@@ -130,9 +133,9 @@ def vocab_coverage(model, vocabs) -> dict:
 
 
 def measure(target, drafts: dict, costs: dict, args) -> dict:
-    """Per round, dial, temperature and stream count: plain, then each draft vocabulary's
-    spec run; results[(agree, vocab, temperature, streams)] lists (kept, run), vocab None the
-    plain run."""
+    """Per round, dial, temperature and stream count: plain, each draft vocabulary's spec run,
+    plain again; results[(agree, vocab, temperature, streams)] lists (kept, run), vocab
+    None the plain runs (two a round)."""
     from kipp.engine.draft import spec_config
 
     results = {}
@@ -143,7 +146,7 @@ def measure(target, drafts: dict, costs: dict, args) -> dict:
             for temperature in (0.0, 0.7):
                 for streams in args.streams:
                     ps = prompts(target, streams, seed=r)
-                    for vocab, spec in [(None, None), *specs.items()]:
+                    for vocab, spec in [(None, None), *specs.items(), (None, None)]:
                         for _ in range(RETRIES):  # a run that compiled a new shape is redone
                             run = decode(target, ps, args.tokens, temperature, spec,
                                          seed=100 * r)
@@ -164,7 +167,9 @@ def summarize(results: dict, args) -> list[dict]:
             continue
         plain = [run for kept, run in results[agree, None, temperature, streams] if kept]
         spec = [run for kept, run in runs if kept]
-        ratios = [s["tok_s"] / p["tok_s"] for p, s in zip(plain, spec)]
+        # each round's spec run against the geometric mean of the plain runs around it
+        around = [(b["tok_s"] * a["tok_s"]) ** 0.5 for b, a in zip(plain[::2], plain[1::2])]
+        ratios = [s["tok_s"] / p for p, s in zip(around, spec)]
         drafted = sum(s["drafted"] for s in spec)
         rows.append({"agree": agree, "draft_vocab": vocab, "temperature": temperature,
                      "streams": streams,
@@ -177,7 +182,7 @@ def summarize(results: dict, args) -> list[dict]:
                      "verify_evals": sum(s["verify_evals"] for s in spec),
                      "plain_evals": sum(s["plain_evals"] for s in spec),
                      "identical": temperature > 0 or all(p["ids"] == s["ids"]
-                                                         for p, s in zip(plain, spec))})
+                                                         for p, s in zip(plain[::2], spec))})
     return rows
 
 

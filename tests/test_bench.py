@@ -479,6 +479,24 @@ def test_a_crashed_peer_fails_the_run_by_name(tmp_path, monkeypatch, stock_store
     assert line.startswith("transformers/bf16 decode: failed: load: worker exited (-11")
 
 
+def test_a_spec_run_is_measured_against_the_plain_runs_around_it():
+    """bench spec's round speed-up is the spec run over the geometric mean of the plain runs
+    before and after it (the host's load drifts over a round), each round against its own."""
+    from bench import draft_bench
+
+    def run(tok_s, ids=(1, 2)):
+        return {"tok_s": tok_s, "ids": list(ids), "drafted": 4, "accepted": 3,
+                "verify_evals": 2, "plain_evals": 1}
+
+    key = (95, None, 0.0, 1)
+    results = {key: [(False, run(500.0)), (False, run(500.0)),  # the warm-up round's
+                     (True, run(100.0)), (True, run(64.0)), (True, run(90.0)), (True, run(40.0))],
+               (95, "full", 0.0, 1): [(False, run(1.0)), (True, run(120.0)), (True, run(30.0))]}
+    [row] = draft_bench.summarize(results, None)
+    assert row["ratios"] == [120.0 / 80.0, 30.0 / 60.0]
+    assert row["identical"] and row["acceptance_rate"] == 0.75
+
+
 def test_the_spec_prediction_uses_the_compile_reports_step_times():
     """bench spec's H200 rows take their step times from the newest kernels-h200 record: the
     8B decode step is the one that record predicted when it was written, and the speed-up grows
