@@ -160,7 +160,7 @@ def measure(target, drafts: dict, costs: dict, args) -> dict:
     return results
 
 
-def summarize(results: dict, args) -> list[dict]:
+def summarize(results: dict) -> list[dict]:
     rows = []
     for (agree, vocab, temperature, streams), runs in results.items():
         if vocab is None:
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     costs = gate_costs(target, drafts)
     results = measure(target, drafts, costs, args)
-    rows = summarize(results, args)
+    rows = summarize(results)
     coverage = vocab_coverage(target, args.draft_vocab)
     predicted = predict(coverage={str(v): coverage[str(v)] for v in args.draft_vocab
                                   if v != FULL})

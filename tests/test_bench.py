@@ -492,7 +492,7 @@ def test_a_spec_run_is_measured_against_the_plain_runs_around_it():
     results = {key: [(False, run(500.0)), (False, run(500.0)),  # the warm-up round's
                      (True, run(100.0)), (True, run(64.0)), (True, run(90.0)), (True, run(40.0))],
                (95, "full", 0.0, 1): [(False, run(1.0)), (True, run(120.0)), (True, run(30.0))]}
-    [row] = draft_bench.summarize(results, None)
+    [row] = draft_bench.summarize(results)
     assert row["ratios"] == [120.0 / 80.0, 30.0 / 60.0]
     assert row["identical"] and row["acceptance_rate"] == 0.75
 
