@@ -198,40 +198,56 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
 
 // A weight pair (LoadPair's bytes) as two 32-byte halves, lanes 0-7 and 8-15: q8_0's bytes as
 // stored (signed: maddubs takes |w| and moves w's sign onto x), the nibble formats' unsigned;
-// each lane's block d (and m).
+// each lane's block d (and m). The nibble formats' halves hold the same two blocks in the same
+// lanes (lane l's block is (l / 4) % 2), so their d[1] and m[1] are d[0] and m[0].
 struct Pair {
   __m256i a[2];
   __m256 d[2], m[2];
 };
 
-template <Format F>
+// The fp16 scales plane[at], plane[at + 1] as floats, lane l holding the one index[l] picks.
+inline __m256 Spread(const uint16_t* plane, int64_t at, __m256i index) {
+  uint32_t two;
+  std::memcpy(&two, plane + at, sizeof two);
+  const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), index);
+}
+
+// Weight row n's pair p; `kTail`: the pair's second block is past the row's end (its bytes and
+// scales read as zeros).
+template <Format F, bool kTail>
 inline void LoadPair(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, int64_t p,
                      int64_t blocks, Pair* out) {
   const int64_t at = n * blocks + 2 * p;
-  const bool tail = 2 * p + 1 == blocks;  // the pair's second block is past the row's end
   if constexpr (F == Format::kQ8_0) {
     const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
     out->a[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    out->a[1] = tail ? _mm256_setzero_si256()
-                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBlock));
+    out->a[1] = kTail ? _mm256_setzero_si256()
+                      : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBlock));
   } else {
     const uint8_t* q = static_cast<const uint8_t*>(w) + at * 16;
     const __m256i v =
-        tail ? _mm256_set_m128i(_mm_setzero_si128(),
-                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))
-             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        kTail ? _mm256_set_m128i(_mm_setzero_si128(),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))
+              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i mask = _mm256_set1_epi8(0x0f);
     out->a[0] = _mm256_and_si256(v, mask);
     out->a[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
   }
-  // lane l's block: q8_0 l / 8, the nibble formats (l / 4) % 2; a missing block's scale is 0
+  // lane l's block: q8_0 l / 8 (half 0 the first block, half 1 the second), the nibble
+  // formats (l / 4) % 2
+  const __m256i nibbles = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   auto spread = [&](const uint16_t* plane, __m256 half[2]) {
-    const float first = _cvtsh_ss(plane[at]), second = tail ? 0.0f : _cvtsh_ss(plane[at + 1]);
-    if constexpr (F == Format::kQ8_0) {
-      half[0] = _mm256_set1_ps(first), half[1] = _mm256_set1_ps(second);
+    if constexpr (kTail) {  // one scale; the missing block's is 0
+      const float one = _cvtsh_ss(plane[at]);
+      half[0] = F == Format::kQ8_0 ? _mm256_set1_ps(one)
+                                   : _mm256_setr_ps(one, one, one, one, 0, 0, 0, 0);
+      half[1] = F == Format::kQ8_0 ? _mm256_setzero_ps() : half[0];
+    } else if constexpr (F == Format::kQ8_0) {
+      half[0] = _mm256_set1_ps(_cvtsh_ss(plane[at]));
+      half[1] = _mm256_set1_ps(_cvtsh_ss(plane[at + 1]));
     } else {
-      half[0] = half[1] = _mm256_setr_ps(first, first, first, first, second, second, second,
-                                         second);
+      half[0] = half[1] = Spread(plane, at, nibbles);
     }
   };
   spread(d, out->d);
@@ -241,9 +257,11 @@ inline void LoadPair(const void* w, const uint16_t* d, const uint16_t* m, int64_
 // acc + d * dx * (a . q + corr) per lane (+ m * t for affine4): PairDot's operations. q8_0's
 // integer dot is the signed one directly (the other builds' unsigned a . q plus corr = -128 *
 // sum q gives the same integer); no pair of products overflows maddubs' int16 (2 * 128 * 127).
+// The nibble formats' halves share d and dx lane for lane, so d * dx is one product.
 template <Format F>
 inline void PairDot(const QPair& x, const Pair& a, __m256 acc[2]) {
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 shared = _mm256_mul_ps(a.d[0], _mm256_load_ps(x.dx));
   for (int h = 0; h < 2; ++h) {
     const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q + 32 * h));
     __m256i dot;
@@ -254,7 +272,8 @@ inline void PairDot(const QPair& x, const Pair& a, __m256 acc[2]) {
       dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a.a[h], q), ones),
                              _mm256_load_si256(reinterpret_cast<const __m256i*>(x.corr + 8 * h)));
     }
-    const __m256 s = _mm256_mul_ps(a.d[h], _mm256_load_ps(x.dx + 8 * h));
+    const __m256 s = F == Format::kQ8_0 && h == 1
+        ? _mm256_mul_ps(a.d[1], _mm256_load_ps(x.dx + 8)) : shared;
     acc[h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot), acc[h]);
     if constexpr (F == Format::kAffine4) {
       acc[h] = _mm256_fmadd_ps(a.m[h], _mm256_load_ps(x.t + 8 * h), acc[h]);
@@ -262,23 +281,32 @@ inline void PairDot(const QPair& x, const Pair& a, __m256 acc[2]) {
   }
 }
 
-// QTile's chains: R quantized x rows against W rows n0 .. n0 + C - 1, pair by pair.
+// QTile's chains: R quantized x rows against W rows n0 .. n0 + C - 1, pair by pair: the pairs
+// with both blocks, then a lone last block's (its checks kept out of the loop).
 template <Format F, int R, int C>
 void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const uint16_t* d,
            const uint16_t* m, int64_t n0, float* y, int64_t ldy) {
   __m256 acc[R][C][2];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
+  const int64_t whole = blocks / 2;
+  for (int64_t p = 0; p < whole; ++p) {
     // C side-by-side rows are prefetched, as FusedTile's; one row's sequential stream ran
     // slower with it
-    for (int64_t b = 2 * p; C > 1 && b < std::min(2 * p + 2, blocks); ++b) {
+    for (int64_t b = 2 * p; C > 1 && b < 2 * p + 2; ++b) {
       PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
     }
     for (int c = 0; c < C; ++c) {
       Pair a;
-      LoadPair<F>(w, d, m, n0 + c, p, blocks, &a);
+      LoadPair<F, false>(w, d, m, n0 + c, p, blocks, &a);
       for (int r = 0; r < R; ++r) PairDot<F>(x[r * pairs + p], a, acc[r][c]);
+    }
+  }
+  if (whole < pairs) {
+    for (int c = 0; c < C; ++c) {
+      Pair a;
+      LoadPair<F, true>(w, d, m, n0 + c, whole, blocks, &a);
+      for (int r = 0; r < R; ++r) PairDot<F>(x[r * pairs + whole], a, acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
