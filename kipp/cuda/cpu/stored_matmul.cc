@@ -529,7 +529,57 @@ struct alignas(64) QPair {
   float t[16];
 };
 
-// x row [k] -> its pairs, plain scalar arithmetic (the same bits in every build).
+// Block v[32] -> its dx and q[j] = v[j] / dx rounded half to even, clamped to +-127 (q left
+// as it is where dx is 0 or NaN). The build with AVX2 runs the scalar steps eight lanes at a
+// time: the maximum of |v| is exact in any order, and the division, rounding and clamps are
+// the same IEEE operations lane by lane, so every build gets the same bits.
+inline float QuantizeBlock(const float* v, int8_t q[kBlock]) {
+#if defined(__AVX2__)
+  __m256 x[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[i]);
+    amax = _mm256_max_ps(amax, a);
+    finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+  }
+  // a NaN or inf in x makes the row's outputs NaN (as the float32 dot would), not a clamp
+  if (_mm256_movemask_ps(finite) != 0xff) return std::numeric_limits<float>::quiet_NaN();
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float dx = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1))) / 127.0f;
+  if (dx == 0.0f) return dx;
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(x[i], _mm256_set1_ps(dx)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    n[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.0f),
+                                            _mm256_max_ps(r, _mm256_set1_ps(-127.0f))));
+  }
+  // the packs interleave the 128-bit halves; the permute puts the elements back in order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
+                                           _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return dx;
+#else
+  float amax = 0.0f;
+  bool finite = true;
+  for (int j = 0; j < kBlock; ++j) {
+    amax = std::max(amax, std::fabs(v[j]));
+    finite = finite && std::isfinite(v[j]);
+  }
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  const float dx = amax / 127.0f;
+  if (dx == 0.0f) return dx;
+  for (int j = 0; j < kBlock; ++j) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
+    const float r = std::nearbyint(v[j] / dx);
+    q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+  return dx;
+#endif
+}
+
+// x row [k] -> its pairs (QuantizeBlock's bits in every build).
 template <Format F>
 void QuantizeRow(const float* x, int64_t k, QPair* out) {
   const int64_t blocks = k / kBlock, pairs = (blocks + 1) / 2;
@@ -537,20 +587,7 @@ void QuantizeRow(const float* x, int64_t k, QPair* out) {
     int8_t q[2][kBlock] = {};
     float dx[2] = {0.0f, 0.0f};
     for (int h = 0; h < 2 && 2 * p + h < blocks; ++h) {
-      const float* v = x + (2 * p + h) * kBlock;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int j = 0; j < kBlock; ++j) {
-        amax = std::max(amax, std::fabs(v[j]));
-        finite = finite && std::isfinite(v[j]);
-      }
-      // a NaN or inf in x makes the row's outputs NaN (as the float32 dot would), not a clamp
-      dx[h] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-      if (dx[h] == 0.0f || !finite) continue;
-      for (int j = 0; j < kBlock; ++j) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
-        const float r = std::nearbyint(v[j] / dx[h]);
-        q[h][j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-      }
+      dx[h] = QuantizeBlock(x + (2 * p + h) * kBlock, q[h]);
     }
     QPair& o = out[p];
     for (int i = 0; i < kPair; ++i) o.q[i] = q[PairBlock<F>(i)][PairElem<F>(i)];
