@@ -590,7 +590,9 @@ void QuantizeRow(const float* x, int64_t k, QPair* out) {
       dx[h] = QuantizeBlock(x + (2 * p + h) * kBlock, q[h]);
     }
     QPair& o = out[p];
-    for (int i = 0; i < kPair; ++i) o.q[i] = q[PairBlock<F>(i)][PairElem<F>(i)];
+    for (int i = 0; i < kPair; i += 16) {  // each 16 bytes of the pair order are one block's run
+      std::memcpy(o.q + i, q[PairBlock<F>(i)] + PairElem<F>(i), 16);
+    }
     for (int l = 0; l < 16; ++l) {
       int32_t sum = 0;
       for (int j = 0; j < 4; ++j) sum += o.q[4 * l + j];
