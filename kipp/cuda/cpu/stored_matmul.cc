@@ -558,8 +558,8 @@ inline float QuantizeBlock(const float* v, int8_t q[kBlock]) {
   // the packs interleave the 128-bit halves; the permute puts the elements back in order
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
                                            _mm256_packs_epi32(n[2], n[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
   return dx;
 #else
   float amax = 0.0f;
