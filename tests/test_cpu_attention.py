@@ -153,6 +153,7 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert not ok and cpu_attention.ENV in why
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI's longest-checks step)
 @needs_kernel
 def test_the_jax_backend_decodes_through_it(artifacts, monkeypatch):
     """On one CPU device over a BF16 slab the backend's decode rounds run the kernel (describe()

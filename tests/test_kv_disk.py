@@ -340,6 +340,7 @@ def test_a_process_killed_mid_write_leaves_no_half_block(tiny, tmp_path):
     assert m.kv_disk.stats()["bad_blocks"] == 0
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI's longest-checks step)
 def test_the_size_bound_evicts_least_recently_used(tiny, tmp_path):
     m = model(tiny, tmp_path)
     limit = 3 * m.kv_disk.tier.file_bytes

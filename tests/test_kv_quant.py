@@ -214,6 +214,7 @@ def test_attention_kernels_on_q8_0_slabs(heads):
     check_paged_attention(kernel, twin, q, k, v, query_pos, tables)
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI's longest-checks step)
 def test_jax_q8_0_kv_scrambled_table_and_vs_bf16(artifacts):
     pytest.importorskip("jax")
     from kipp.cuda.backend import JaxBackend

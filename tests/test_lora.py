@@ -343,6 +343,7 @@ def test_an_unknown_adapter_is_a_clear_error_and_leaks_nothing(lora_model):
     assert lora_model.pool.num_available == free
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the LoRA step)
 def test_a_prefix_computed_under_one_adapter_is_never_adopted_under_another(lora_model):
     """Blocks published under adapter alpha, beta or none are adopted by a session of the same
     adapter only; the logits of every adoption equal an unshared run."""
@@ -378,6 +379,7 @@ def greedy(model, prompt, adapter=None, n=8):
     return out
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the LoRA step)
 def test_generate_chat_and_sessions_run_under_the_named_adapter(lora_model):
     prompt = gates.DEFAULT_PROMPTS[0]
     want = {a: greedy(lora_model, prompt, a) for a in ("alpha", "beta", None)}

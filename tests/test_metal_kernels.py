@@ -3,9 +3,9 @@ as C++ against the Metal emulator (tools/metal_emulator) and run on the CPU, one
 thread, under AddressSanitizer + UndefinedBehaviorSanitizer, against the MLX-op twin and the
 numpy reference (float64 on kipp.formats.quant's dequantized weights / kipp.formats.kvquant's KV).
 
-Default suite: every kernel and format at small shapes, planted faults, the whole model on the
-emulated kernels (one configuration). Slow (.ci/run): one real registry shape per kernel,
-ThreadSanitizer over every kernel, and the whole-model gates (every scheme, vs transformers,
+Default suite: every kernel and format at small shapes, planted faults. Slow (.ci/run): one
+real registry shape per kernel, ThreadSanitizer over every kernel, the whole model on the
+emulated kernels (one configuration), and the whole-model gates (every scheme, vs transformers,
 cached decode, scrambled table, batched, q8_0 KV) through the emulated kernels.
 
 What this proves and what only a Mac can: tools/metal_emulator/README.md.
@@ -460,6 +460,7 @@ def _gate(ref, mb, prompt_len=30, decode_steps=3, rows=3, seed=0):
     assert result.passed, result.detail
 
 
+@pytest.mark.slow  # one of the default suite's longest (CI: the metal emulator step)
 def test_whole_model_on_emulated_kernels(artifacts):
     """The kernel path end to end on the real Metal sources (no sanitizer, for time): the
     untied checkpoint (GQA group 5, its own BF16 head) with q8_0 weights: prefill on the matmul
