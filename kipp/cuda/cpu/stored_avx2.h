@@ -205,12 +205,14 @@ struct Pair {
   __m256 d[2], m[2];
 };
 
-// The fp16 scales plane[at], plane[at + 1] as floats, lane l holding the one index[l] picks.
-inline __m256 Spread(const uint16_t* plane, int64_t at, __m256i index) {
+// The fp16 scales plane[at], plane[at + 1] as a nibble half's lanes: the first block's in
+// lanes 0-3, the second's in lanes 4-7.
+inline __m256 NibbleScales(const uint16_t* plane, int64_t at) {
   uint32_t two;
   std::memcpy(&two, plane + at, sizeof two);
   const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), index);
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair),
+                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 // Weight row n's pair p; `kTail`: the pair's second block is past the row's end (its bytes and
@@ -236,7 +238,6 @@ inline void LoadPair(const void* w, const uint16_t* d, const uint16_t* m, int64_
   }
   // lane l's block: q8_0 l / 8 (half 0 the first block, half 1 the second), the nibble
   // formats (l / 4) % 2
-  const __m256i nibbles = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   auto spread = [&](const uint16_t* plane, __m256 half[2]) {
     if constexpr (kTail) {  // one scale; the missing block's is 0
       const float one = _cvtsh_ss(plane[at]);
@@ -247,7 +248,7 @@ inline void LoadPair(const void* w, const uint16_t* d, const uint16_t* m, int64_
       half[0] = _mm256_set1_ps(_cvtsh_ss(plane[at]));
       half[1] = _mm256_set1_ps(_cvtsh_ss(plane[at + 1]));
     } else {
-      half[0] = half[1] = Spread(plane, at, nibbles);
+      half[0] = half[1] = NibbleScales(plane, at);
     }
   };
   spread(d, out->d);
