@@ -366,9 +366,9 @@ def _weights(entry: Checkpoint, tensors: dict[str, Tensor]) -> Weights:
 def _tokenizer_data(file: gguf.GGUFFile) -> TokenizerData:
     template = file.metadata.get("tokenizer.chat_template")
     return TokenizerData(
-        tokens=tuple(file.value("tokenizer.ggml.tokens")),
+        tokens=file.value("tokenizer.ggml.tokens"),
         token_types=tuple(file.value("tokenizer.ggml.token_type")),
-        merges=tuple(file.value("tokenizer.ggml.merges")),
+        merges=file.value("tokenizer.ggml.merges"),
         eos_token_id=file.value("tokenizer.ggml.eos_token_id"),
         chat_template=template.value if template else None,
     )

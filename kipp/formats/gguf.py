@@ -22,6 +22,7 @@ import numpy as np
 
 from kipp.errors import ArtifactError, QuantError
 from kipp.formats.quant import ggml_type_bytes
+from kipp.formats.string_table import StringTable, bad_utf8
 
 MAGIC = b"GGUF"
 VERSION = 3
@@ -170,28 +171,36 @@ def _read_value(cur: _Cursor, vtype: ValueType, key: str) -> Value:
     return Value(items, vtype, element_type)
 
 
-def _string_array(cur: _Cursor, count: int, key: str) -> list[str]:
-    """`count` length-prefixed strings; the vocabulary makes this the loader's hot loop."""
-    buffer, pos, size = cur.buffer, cur.pos, len(cur.buffer)
+def _string_array(cur: _Cursor, count: int, key: str) -> StringTable:
+    """`count` length-prefixed strings, kept as one blob (StringTable); the vocabulary makes
+    this the loader's hot loop, so the loop only walks the lengths and numpy cuts them out."""
+    buffer, first, pos, size = cur.buffer, cur.pos, cur.pos, len(cur.buffer)
     length_at = struct.Struct("<Q").unpack_from
-    items = []
+    stops = []  # where each string ends in the buffer
     try:
         for _ in range(count):
             (length,) = length_at(buffer, pos)
-            start, pos = pos + 8, pos + 8 + length
+            pos += 8 + length
             if pos > size:
                 break
-            items.append(str(buffer[start:pos], "utf-8"))
+            stops.append(pos)
     except struct.error:
         pass
-    except UnicodeDecodeError as e:
-        raise ArtifactError(cur.path, f"{key}[{len(items)}]",
-                            f"string is not valid UTF-8 ({e.reason})") from None
-    if len(items) != count:
-        raise ArtifactError(cur.path, f"{key}[{len(items)}]",
+    if len(stops) != count:
+        raise ArtifactError(cur.path, f"{key}[{len(stops)}]",
                             f"file is truncated inside a {count}-string array")
+    stops = np.asarray(stops, np.int64) - first
+    keep = np.ones(pos - first, bool)
+    prefixes = np.concatenate(([0], stops[:-1])) if count else stops
+    keep[(prefixes[:, None] + np.arange(8)).reshape(-1)] = False
+    blob = np.frombuffer(buffer[first:pos], np.uint8)[keep].tobytes()
+    ends = stops - 8 * np.arange(1, count + 1)
+    bad = bad_utf8(blob, ends)
+    if bad is not None:
+        raise ArtifactError(cur.path, f"{key}[{bad[0]}]",
+                            f"string is not valid UTF-8 ({bad[1]})")
     cur.pos = pos
-    return items
+    return StringTable(blob, ends)
 
 
 def _read_tensor_info(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], int, int]:

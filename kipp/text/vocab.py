@@ -6,11 +6,13 @@ pair, which refuses any pipeline but Qwen2's byte-level BPE. Artifacts store the
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kipp.errors import KippError
 from kipp.formats.registry import VOCAB_SIZE
+from kipp.formats.string_table import StringTable
 
 # GGUF / llama.cpp token types.
 TOKEN_NORMAL = 1
@@ -36,16 +38,19 @@ class TokenizerData:
 
     tokens[i] is id i's token: byte-level spelling for BPE entries, literal content for added
     tokens, f"[PAD{i}]" for padding rows. token_types uses the GGUF codes (TOKEN_*).
-    merges are "left right" strings in rank order.
+    merges are "left right" strings in rank order. Both string lists are kept as StringTables
+    (any sequence of str given is converted): a tuple of them would hold about 22 MiB.
     """
 
-    tokens: tuple[str, ...]
+    tokens: Sequence[str]
     token_types: tuple[int, ...]
-    merges: tuple[str, ...]
+    merges: Sequence[str]
     eos_token_id: int
     chat_template: str | None
 
     def __post_init__(self):
+        object.__setattr__(self, "tokens", StringTable.of(self.tokens))
+        object.__setattr__(self, "merges", StringTable.of(self.merges))
         if len(self.tokens) != len(self.token_types):
             raise TokenizerError(
                 f"{len(self.tokens)} tokens but {len(self.token_types)} token types")
