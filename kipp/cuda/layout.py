@@ -160,6 +160,9 @@ def place_weights(artifact: Artifact, layout: str, place: Callable[[str, Any], A
             layers.append(params)
         tree["layers"] = layers
     tree["output_norm"] = place("output_norm", w.output_norm.f32())
+    # pages the later copies' faults mapped around their own tensors, in tensors already
+    # released (about 12 MiB of the 0.6B's BF16 file)
+    artifact.release_file()
     return tree
 
 

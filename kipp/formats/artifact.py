@@ -13,7 +13,6 @@ norms are stored as F32 (lossless from BF16) because that is what those readers 
 from __future__ import annotations
 
 import dataclasses
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,19 +229,15 @@ class Artifact:
 
     def release_view(self, view: np.ndarray) -> None:
         """`release` for part of a tensor: the pages under `view`, a contiguous array viewing
-        the mapping (rows a backend has just copied). A no-op for any other array (a copy).
-        The first page may be shared with bytes before the view: dropping it is harmless, a
-        read-only mapping reads it back unchanged."""
-        mapping = getattr(self.file.mapping, "_mmap", None)
-        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
+        the mapping (rows a backend has just copied). A no-op for any other array (a copy)."""
         start = view.ctypes.data - self.file.mapping.ctypes.data
-        if start < 0 or start >= len(mapping) or not view.flags.c_contiguous:
+        if start < 0 or start >= self.file.mapping.size or not view.flags.c_contiguous:
             return
-        first = start // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
-        stop = min(len(mapping), start + view.nbytes)
-        if stop > first:
-            mapping.madvise(mmap.MADV_DONTNEED, first, stop - first)
+        self.file.release(start, start + view.nbytes)
+
+    def release_file(self) -> None:
+        """`release` for the whole file, for a backend that has copied every tensor."""
+        self.file.release()
 
 
 def open_artifact(path) -> Artifact:

@@ -11,6 +11,7 @@ This module knows the container only; what a Kipp artifact must contain is `kipp
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -101,6 +102,20 @@ class GGUFFile:
         info = self.tensors[name]
         start = self.data_offset + info.offset
         return self.mapping[start:start + info.nbytes]
+
+    def release(self, start: int = 0, stop: int | None = None) -> None:
+        """Drop the mapped pages over bytes start..stop (the whole file by default) from the
+        process's resident set (best effort). The pages stay in the OS page cache and the
+        mapping stays valid: a later read faults them back in. The first page may be shared
+        with bytes before `start`: dropping it is harmless, a read-only mapping reads it back
+        unchanged. A no-op where madvise is missing."""
+        mapping = getattr(self.mapping, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = max(start, 0) // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
+        stop = len(mapping) if stop is None else min(len(mapping), stop)
+        if stop > first:
+            mapping.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
 class _Cursor:
@@ -246,7 +261,9 @@ def read(path) -> GGUFFile:
     entries = [_read_tensor_info(cur, i) for i in range(tensor_count)]
     data_offset = _align(cur.pos, alignment)
     tensors = _tensor_directory(path, entries, alignment, size - data_offset)
-    return GGUFFile(path, version, alignment, metadata, tensors, data_offset, mapping)
+    file = GGUFFile(path, version, alignment, metadata, tensors, data_offset, mapping)
+    file.release(0, data_offset)  # the header lives on as parsed objects (5.7 MiB for Qwen3's)
+    return file
 
 
 def _read_metadata(cur: _Cursor, count: int) -> dict[str, Value]:
