@@ -32,7 +32,8 @@ def test_equal_and_hashed_as_the_tuple_it_holds():
     table = StringTable.of(STRINGS)
     assert table == tuple(STRINGS) and table == STRINGS and tuple(STRINGS) == table
     assert table == StringTable.of(tuple(STRINGS))
-    assert hash(table) == hash(StringTable.of(STRINGS))
+    assert hash(table) == hash(StringTable.of(STRINGS)) == hash(tuple(STRINGS))
+    assert len({table, tuple(STRINGS)}) == 1  # equal, so one member of a set
     # same bytes cut elsewhere, one string changed, one string fewer: all unequal
     for other in (["ab"] + STRINGS[2:], ["b"] + STRINGS[1:], STRINGS[:-1]):
         assert table != StringTable.of(other) and table != tuple(other)

@@ -81,8 +81,9 @@ class StringTable(Sequence):
         return NotImplemented
 
     def __hash__(self) -> int:
+        # the tuple's own hash: a table equals the tuple of its strings, so must hash as it
         if self._hash is None:
-            self._hash = hash((self._blob, self._ends.tobytes()))
+            self._hash = hash(tuple(self))
         return self._hash
 
     def __repr__(self) -> str:
@@ -106,9 +107,9 @@ def bad_utf8(blob: bytes, ends: np.ndarray) -> tuple[int, str] | None:
     except UnicodeDecodeError as e:
         return int(np.searchsorted(ends, e.start, side="right")), e.reason
     raw = np.frombuffer(blob, np.uint8)
+    first_bytes = raw[np.minimum(starts, max(len(raw) - 1, 0))] if len(raw) else starts
     cut = np.flatnonzero((starts < ends) &
-                         (raw[np.minimum(starts, max(len(raw) - 1, 0))] & _CONTINUATION_MASK
-                          == _CONTINUATION)) if len(raw) else ()
+                         ((first_bytes & _CONTINUATION_MASK) == _CONTINUATION))
     if len(cut):
         return int(cut[0]), "starts inside a character"
     return None
