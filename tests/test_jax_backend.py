@@ -8,6 +8,7 @@ the identity table; batched mixed-length eval equal to isolated within the same 
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import numpy as np
@@ -186,8 +187,29 @@ def compile_events():
         monitoring.unregister_event_duration_listener(listener)
 
 
-def test_steady_state_decode_does_not_recompile(artifacts):
+def _attention_backend(artifacts, monkeypatch, cpu_attention: bool) -> JaxBackend:
+    """The tiny BF16 checkpoint's JAX backend with Kipp's CPU attention, or with the twin's
+    (its kernel switched off); skipped where the kernel does not build."""
+    from kipp.cuda.cpu import attention
+
+    if cpu_attention and not attention.available()[0]:
+        pytest.skip(f"Kipp's CPU attention: {attention.available()[1]}")
+    if not cpu_attention:
+        monkeypatch.setenv(attention.ENV, "0")
     _, jb = _backends(artifacts, TINY, "bf16")
+    assert jb.cpu_attention == cpu_attention
+    return jb
+
+
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["cpu attention", "twin"])
+def test_steady_state_decode_does_not_recompile(artifacts, monkeypatch, cpu_attention):
+    """Decode within a block-table bucket never compiles. Past it: Kipp's CPU attention reads
+    only the positions a query sees, so its rounds all take the pool's table width and run the
+    program they have (planted: a width per context, and the 65th position compiled); the
+    twin's gathers every position of the table, so its width follows the context."""
+    from kipp.cuda import rounds
+
+    jb = _attention_backend(artifacts, monkeypatch, cpu_attention)
     table = (3, 1, 4)
     [logits] = jb.eval([EvalItem(_tokens(5, 40), 0, table)])
     [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), 40, table)])  # compiles decode
@@ -196,20 +218,28 @@ def test_steady_state_decode_does_not_recompile(artifacts):
         for position in range(41, 64):  # same bucket: 2 blocks of 32 positions
             [logits] = jb.eval([EvalItem((int(logits[0].argmax()),), position, table)])
     assert events == [] and jb.buckets == buckets
-    [logits] = jb.eval([EvalItem((1,), 64, table)])  # 3 blocks: the next bucket (B=4)
-    assert len(jb.buckets) == len(buckets) + 1 and max(b.blocks for b in jb.buckets) == 4
+    with compile_events() as events:
+        [logits] = jb.eval([EvalItem((1,), 64, table)])  # 3 blocks
+    if cpu_attention:
+        assert events == [] and jb.buckets == buckets
+        assert {b.blocks for b in jb.buckets} == {rounds.fixed_table_width(BLOCKS)}
+    else:  # the next bucket (B=4)
+        assert len(jb.buckets) == len(buckets) + 1 and max(b.blocks for b in jb.buckets) == 4
 
 
-def test_a_prefill_round_compiles_its_one_token_program(artifacts):
+@pytest.mark.parametrize("cpu_attention", [True, False], ids=["cpu attention", "twin"])
+def test_a_prefill_round_compiles_its_one_token_program(artifacts, monkeypatch, cpu_attention):
     """A repeated prompt adopts all but its last token (kipp.engine.blocks' tails) and evaluates
     that one with the decode program of the prompt's block width: compiled with the prefill, so
     the cache hit never waits on a compile."""
+    from kipp.cuda import rounds
     from kipp.cuda.rounds import Bucket
 
-    _, jb = _backends(artifacts, TINY, "bf16")
+    jb = _attention_backend(artifacts, monkeypatch, cpu_attention)
     table = (2, 0, 1)
-    jb.eval([EvalItem(_tokens(6, 70), 0, table)])  # one round: T=128, B=4
-    assert Bucket(1, 1, 1, 4, 1) in jb.buckets
+    jb.eval([EvalItem(_tokens(6, 70), 0, table)])  # one round: T=128, B=4 (the twin's)
+    width = rounds.fixed_table_width(BLOCKS) if cpu_attention else 4
+    assert Bucket(1, 1, 1, width, 1) in jb.buckets
     with compile_events() as events:
         jb.eval([EvalItem(_tokens(6, 70)[-1:], 69, table)])  # the hit: the last token again
     assert events == []
@@ -384,6 +414,21 @@ def test_round_planning_and_packing():
     assert a.slots[15] == 6 * 32  # padding rows store past the slab's end: dropped
     assert list(a.slots[:4]) == [3 * 32 + 29, 3 * 32 + 30, 3 * 32 + 31, 5 * 32]  # table (3, 5)
     assert dests == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_a_fixed_table_width_pads_every_table_to_it():
+    from kipp.cuda import rounds
+
+    items = [EvalItem((7,), 33, (1, 0)), EvalItem((8, 9), 0, (2,), 2)]
+    pieces = rounds.plan_rounds(items, 16)[0]
+    bucket, a, _ = rounds.pack_round(items, pieces, num_blocks=6,
+                                     table_width=rounds.fixed_table_width(6))
+    assert bucket.blocks == 8 and a.block_tables.shape == (2, 8)
+    assert a.block_tables.tolist() == [[1, 0] + [0] * 6, [2] + [0] * 7]
+    narrow, _, _ = rounds.pack_round(items, pieces, num_blocks=6)
+    assert narrow.blocks == 2 and dataclasses.replace(narrow, blocks=8) == bucket
+    with pytest.raises(ValueError, match="needs 2 blocks, past its table width 1"):
+        rounds.pack_round(items, pieces, num_blocks=6, table_width=1)
 
 
 def test_a_broken_jax_backend_is_an_error_not_no_gpu(monkeypatch):

@@ -96,6 +96,10 @@ class JaxBackend(Backend):
         self.choice, self.memory, self.layout = (self.plan.choice, self.plan.memory,
                                                  self.plan.layout)
         self.cpu_attention, self.stacked = self.plan.cpu_attention, self.plan.stacked
+        # Kipp's CPU attention reads only the positions a query sees: one table width serves
+        # every context (rounds.fixed_table_width)
+        self._table_width = (rounds.fixed_table_width(num_blocks) if self.cpu_attention
+                             else None)
         self._dot = cpu_stored.dot_mode()  # $KIPP_JAX_CPU_DOT at load: part of the program key
         self.stacked = self.stacked or self.pipelined  # the stages split the stacked layers
         self.compiler_options = dict(LEAN_CPU_COMPILE) if self.plan.lean_compile else {}
@@ -253,7 +257,7 @@ class JaxBackend(Backend):
         outputs = [np.empty((item.logits_rows, self.head_rows), np.float32) for item in items]
         for pieces in rounds.plan_rounds(items, self.max_round_tokens):
             bucket, arrays, dests = rounds.pack_round(items, pieces, self.num_blocks,
-                                                      self._adapter_slots)
+                                                      self._adapter_slots, self._table_width)
             program = self._program(bucket, arrays)
             if self.link is not None:  # the followers run the same step on the same inputs
                 logits, self.kv = self.link.step(bucket, arrays,
@@ -332,7 +336,7 @@ class JaxBackend(Backend):
         donated slab with it; a fresh one is allocated)."""
         items = [EvalItem((0,), 0, (0,))]
         bucket, arrays, _ = rounds.pack_round(items, rounds.plan_rounds(items, 1)[0],
-                                              self.num_blocks)
+                                              self.num_blocks, table_width=self._table_width)
         arrays = arrays._replace(slots=np.full_like(arrays.slots, self.num_blocks * KV_BLOCK))
         try:
             logits, self.kv = self._run(self._program(bucket, arrays), arrays)

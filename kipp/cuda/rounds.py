@@ -6,7 +6,8 @@ most `max_tokens` tokens), so one compiled step reads the weights once for every
 Every array dimension is padded to a power-of-two bucket (tokens, sequences, queries per
 sequence, blocks per sequence, logits rows), so a server run compiles a small bounded set of
 programs: at most log2 of each limit. Steady decode of one sequence changes bucket only when its
-context crosses a power of two of 32-position blocks.
+context crosses a power of two of 32-position blocks; with Kipp's CPU attention never, its block
+tables all being the pool's width (fixed_table_width).
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ class RoundArrays(NamedTuple):
 
 
 def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: int,
-               adapter_slots: dict | None = None,
+               adapter_slots: dict | None = None, table_width: int | None = None,
                ) -> tuple[Bucket, RoundArrays, list[tuple[int, int]]]:
     """The bucket, padded arrays and logits destinations [(item, row in its output)].
     `adapter_slots`: LoRA adapter name -> its slot in the step's stacked adapter weights; the
-    round's adapters' slots go in adapter_active (kipp.lora.apply.round_adapters' order)."""
+    round's adapters' slots go in adapter_active (kipp.lora.apply.round_adapters' order).
+    `table_width`: every round's block tables this wide (B), whatever its context, for a step
+    whose attention reads only the positions its queries see (`fixed_table_width`)."""
     n_tokens = sum(p.stop - p.start for p in pieces)
     dests, rows = [], []
     for p in pieces:
@@ -70,6 +73,11 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
             dests.append((p.item, t - first_row))
     longest = max(p.stop - p.start for p in pieces)
     blocks = max(blocks_needed(items[p.item].start_position + p.stop) for p in pieces)
+    if table_width is not None:
+        if blocks > table_width:
+            raise ValueError(f"a round needs {blocks} blocks, past its table width "
+                             f"{table_width}")
+        blocks = table_width
     bucket = Bucket(bucket_size(n_tokens), bucket_size(len(pieces)), bucket_size(longest),
                     bucket_size(blocks), bucket_size(max(1, len(dests))))
     a = _empty_arrays(bucket, num_blocks)
@@ -101,6 +109,15 @@ def pack_round(items: Sequence[EvalItem], pieces: Sequence[Piece], num_blocks: i
         row += n
     a.logit_rows[:len(rows)] = rows
     return bucket, a, dests
+
+
+def fixed_table_width(num_blocks: int) -> int:
+    """The block-table width of every round on a step whose attention reads a sequence's
+    positions up to its queries' and no further (Kipp's CPU attention): the pool's, bucketed.
+    Its steps then differ only in their token shapes, so a decode whose context crosses a power
+    of two of blocks runs the program it has, where a width per context compiles one (a
+    second's stall on a CPU, and a few MiB resident for each program)."""
+    return bucket_size(num_blocks)
 
 
 def placeholder_arrays(b: Bucket, num_blocks: int) -> RoundArrays:
