@@ -179,10 +179,10 @@ def _read_value(cur: _Cursor, vtype: ValueType, key: str) -> Value:
     if element_type == ValueType.STRING:
         items = _string_array(cur, count, key)
     elif element_type == ValueType.BOOL:
-        items = [bool(b) for b in bytes(cur.take(count, key))]
-    else:
+        items = tuple(bool(b) for b in bytes(cur.take(count, key)))
+    else:  # a tuple, which a reader that wants one (the token types) takes without a copy
         dtype = np.dtype(_ARRAY_DTYPES[element_type])
-        items = np.frombuffer(cur.take(count * dtype.itemsize, key), dtype=dtype).tolist()
+        items = tuple(np.frombuffer(cur.take(count * dtype.itemsize, key), dtype=dtype).tolist())
     return Value(items, vtype, element_type)
 
 
