@@ -115,8 +115,8 @@ def fixed_table_width(num_blocks: int) -> int:
     """The block-table width of every round on a step whose attention reads a sequence's
     positions up to its queries' and no further (Kipp's CPU attention): the pool's, bucketed.
     Its steps then differ only in their token shapes, so a decode whose context crosses a power
-    of two of blocks runs the program it has, where a width per context compiles one (a
-    second's stall on a CPU, and a few MiB resident for each program)."""
+    of two of blocks runs the program it has, where a width per context compiles one (a stall
+    of most of a second on a CPU, and a few MiB resident for each program)."""
     return bucket_size(num_blocks)
 
 
