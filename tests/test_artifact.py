@@ -101,8 +101,13 @@ def test_tokenizer_data_survives_the_artifact(artifacts, synthetic_dir):
 
     folder = synthetic_dir(TINY)
     from_files = load_tokenizer_files(folder / "tokenizer.json", folder / "tokenizer_config.json")
-    from_gguf = open_artifact(artifacts(TINY, "bf16")).tokenizer_data()
+    artifact = open_artifact(artifacts(TINY, "bf16"))
+    from_gguf = artifact.tokenizer_data()
     assert from_gguf == from_files
+    # the artifact's metadata and the tokenizer's data share their arrays, not copies of them
+    assert from_gguf.tokens is artifact.file.value("tokenizer.ggml.tokens")
+    assert from_gguf.merges is artifact.file.value("tokenizer.ggml.merges")
+    assert from_gguf.token_types is artifact.file.value("tokenizer.ggml.token_type")
 
 
 def test_tokenizer_from_gguf_encodes_like_from_files(artifacts, synthetic_dir):
