@@ -40,7 +40,8 @@ PANEL = 8  # output columns per panel (one 8-float vector)
 TARGET = "kipp_cpu_matmul_f32"
 HERE = Path(__file__).parent
 SOURCES = (HERE / "matmul.cc", HERE / "attention.cc", HERE / "stored_matmul.cc")  # one library
-HEADERS = (HERE / "kernels.h", HERE / "stored_avx2.h", HERE / "stored_amx.h")
+HEADERS = (HERE / "kernels.h", HERE / "stored_avx2.h", HERE / "stored_amx.h",
+           HERE / "stored_int8.h")
 # FFI target -> the handler symbol the library exports
 TARGETS = {TARGET: "KippCpuMatmulF32", "kipp_cpu_decode_attention": "KippCpuDecodeAttention",
            "kipp_cpu_attention": "KippCpuAttention",

@@ -79,13 +79,20 @@ inline void Pin(v16& v) {
 #endif
 }
 
-// The lanes' sum in one fixed tree: (0 + 8), then + 4, + 2, + 1 apart. AVX-512 adds the same
-// pairs in vector halves (the same bits: each add is the same two floats).
+// The lanes' sum in one fixed tree: (0 + 8), then + 4, + 2, + 1 apart. AVX-512 and AVX2 add
+// the same pairs in vector halves (the same bits: each add is the same two floats).
 inline float Sum16(v16 v) {
 #if defined(__AVX512F__)
   const __m512 z = reinterpret_cast<__m512>(v);
   const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(z),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+#elif defined(__AVX2__)
+  __m256 lo, hi;
+  std::memcpy(&lo, &v, 32), std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const __m256 a = _mm256_add_ps(lo, hi);
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
@@ -498,256 +505,10 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
   }
 }
 
-// ---- The int8 dot (Dot::kInt8): the activation quantized to int8 per 32-block ----
-// As llama.cpp's q8_0 x q8_0 dot: each row of x becomes per block an int8 vector q and a scale
-// dx = max |x| / 127 (q = round(x / dx)); a weight block's dot is then exact integer
-// arithmetic (vpdpbusd where the CPU has AVX-512 VNNI), scaled once by d * dx in float32. A
-// pair of blocks (64 weights) fills one 512-bit vector: 16 int32 lanes of 4 products each.
+// The int8 dot (Dot::kInt8): the activation quantized to int8 per block (stored_int8.h).
 enum class Dot { kF32, kInt8, kBf16 };
 
-constexpr int64_t kPair = 2 * kBlock;
-
-// Byte i of a pair's 64-byte vector is block 2p + PairBlock(i), element PairElem(i): q8_0's
-// bytes in order; the nibble formats' 32 bytes as they expand (low nibbles, then high ones).
-template <Format F>
-constexpr int PairBlock(int i) {
-  return F == Format::kQ8_0 ? i / 32 : (i / 16) % 2;
-}
-template <Format F>
-constexpr int PairElem(int i) {
-  return F == Format::kQ8_0 ? i % 32 : i % 16 + 16 * (i / 32);
-}
-
-// One pair of one x row, laid out as the weights' bytes: q in the pair order, and per lane
-// (4 bytes) its block's dx, the integer added to the lane's dot (the weights' offset times the
-// lane's sum of q: q8_0's 128 from reading its int8 as unsigned, scale4's 8), and dx times the
-// lane's sum of q (affine4's m term). A missing last block is zeros.
-struct alignas(64) QPair {
-  int8_t q[kPair];
-  float dx[16];
-  int32_t corr[16];
-  float t[16];
-};
-
-// Block v[32] -> its dx and q[j] = v[j] / dx rounded half to even, clamped to +-127 (q left
-// as it is where dx is 0 or NaN). The build with AVX2 runs the scalar steps eight lanes at a
-// time: the maximum of |v| is exact in any order, and the division, rounding and clamps are
-// the same IEEE operations lane by lane, so every build gets the same bits.
-inline float QuantizeBlock(const float* v, int8_t q[kBlock]) {
-#if defined(__AVX2__)
-  __m256 x[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm256_loadu_ps(v + 8 * i);
-    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[i]);
-    amax = _mm256_max_ps(amax, a);
-    finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
-  }
-  // a NaN or inf in x makes the row's outputs NaN (as the float32 dot would), not a clamp
-  if (_mm256_movemask_ps(finite) != 0xff) return std::numeric_limits<float>::quiet_NaN();
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  const float dx = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1))) / 127.0f;
-  if (dx == 0.0f) return dx;
-  __m256i n[4];
-  for (int i = 0; i < 4; ++i) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
-    const __m256 r = _mm256_round_ps(_mm256_div_ps(x[i], _mm256_set1_ps(dx)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    n[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.0f),
-                                            _mm256_max_ps(r, _mm256_set1_ps(-127.0f))));
-  }
-  // the packs interleave the 128-bit halves; the permute puts the elements back in order
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
-                                           _mm256_packs_epi32(n[2], n[3]));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
-  return dx;
-#else
-  float amax = 0.0f;
-  bool finite = true;
-  for (int j = 0; j < kBlock; ++j) {
-    amax = std::max(amax, std::fabs(v[j]));
-    finite = finite && std::isfinite(v[j]);
-  }
-  if (!finite) return std::numeric_limits<float>::quiet_NaN();
-  const float dx = amax / 127.0f;
-  if (dx == 0.0f) return dx;
-  for (int j = 0; j < kBlock; ++j) {  // x / dx, not x * (1 / dx): 1 / a subnormal is inf
-    const float r = std::nearbyint(v[j] / dx);
-    q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-  }
-  return dx;
-#endif
-}
-
-// x row [k] -> its pairs (QuantizeBlock's bits in every build).
-template <Format F>
-void QuantizeRow(const float* x, int64_t k, QPair* out) {
-  const int64_t blocks = k / kBlock, pairs = (blocks + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    int8_t q[2][kBlock] = {};
-    float dx[2] = {0.0f, 0.0f};
-    for (int h = 0; h < 2 && 2 * p + h < blocks; ++h) {
-      dx[h] = QuantizeBlock(x + (2 * p + h) * kBlock, q[h]);
-    }
-    QPair& o = out[p];
-    for (int i = 0; i < kPair; i += 16) {  // each 16 bytes of the pair order are one block's run
-      std::memcpy(o.q + i, q[PairBlock<F>(i)] + PairElem<F>(i), 16);
-    }
-    for (int l = 0; l < 16; ++l) {
-      int32_t sum = 0;
-      for (int j = 0; j < 4; ++j) sum += o.q[4 * l + j];
-      const float scale = dx[PairBlock<F>(4 * l)];
-      o.dx[l] = scale;
-      o.corr[l] = F == Format::kQ8_0 ? -128 * sum : F == Format::kScale4 ? -8 * sum : 0;
-      o.t[l] = scale * static_cast<float>(sum);
-    }
-  }
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define KIPP_VNNI 1
-using PairBytes = __m512i;
-#else
-struct PairBytes {
-  uint8_t b[kPair];
-};
-#endif
-
-// Weight row n's pair p as unsigned bytes in the pair order (q8_0 as q + 128), with its
-// blocks' d (and m) per lane; `tail`: the pair's second block is past the row's end.
-template <Format F>
-inline void LoadPair(const void* w, const uint16_t* d, const uint16_t* m, int64_t n, int64_t p,
-                     int64_t blocks, PairBytes* a, v16* dv, v16* mv) {
-  const int64_t at = n * blocks + 2 * p;
-  const bool tail = 2 * p + 1 == blocks;
-#if defined(KIPP_VNNI)
-  if constexpr (F == Format::kQ8_0) {
-    const int8_t* q = static_cast<const int8_t*>(w) + at * kBlock;
-    const __m512i v = tail ? _mm512_maskz_loadu_epi8(0xffffffffULL, q) : _mm512_loadu_si512(q);
-    *a = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-  } else {
-    const uint8_t* q = static_cast<const uint8_t*>(w) + at * 16;
-    const __m256i v = tail ? _mm256_maskz_loadu_epi8(0xffff, q)
-                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    const __m256i mask = _mm256_set1_epi8(0x0f);
-    *a = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_and_si256(v, mask)),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
-  }
-  // lane l's block: q8_0 l / 8, the nibble formats (l / 4) % 2
-  const __m512i index = F == Format::kQ8_0
-      ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-      : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  auto spread = [&](const uint16_t* plane) {
-    uint32_t two = plane[at];
-    if (!tail) std::memcpy(&two, plane + at, 4);
-    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(two)));
-    return reinterpret_cast<v16>(_mm512_permutexvar_ps(index, _mm512_zextps128_ps512(pair)));
-  };
-  *dv = spread(d);
-  if constexpr (F == Format::kAffine4) *mv = spread(m);
-#else
-  for (int i = 0; i < kPair; ++i) {
-    const int h = PairBlock<F>(i), j = PairElem<F>(i);
-    uint8_t byte = 0;
-    if (!(tail && h == 1)) {
-      if constexpr (F == Format::kQ8_0) {
-        byte = static_cast<uint8_t>(static_cast<const int8_t*>(w)[(at + h) * kBlock + j] + 128);
-      } else {
-        const uint8_t nib = static_cast<const uint8_t*>(w)[(at + h) * 16 + j % 16];
-        byte = j < 16 ? nib & 0x0f : nib >> 4;
-      }
-    } else if constexpr (F == Format::kQ8_0) {
-      byte = 128;  // as the vector path's zero byte xor 0x80 (times q = 0)
-    }
-    a->b[i] = byte;
-  }
-  for (int l = 0; l < 16; ++l) {
-    const int h = PairBlock<F>(4 * l);
-    const bool gone = tail && h == 1;
-    (*dv)[l] = gone ? 0.0f : Half(d[at + h]);
-    if constexpr (F == Format::kAffine4) (*mv)[l] = gone ? 0.0f : Half(m[at + h]);
-  }
-#endif
-}
-
-// acc + d * dx * (a . q + corr), lane by lane (and + m * t for affine4).
-template <Format F>
-inline v16 PairDot(const QPair& x, const PairBytes& a, v16 dv, v16 mv, v16 acc) {
-#if defined(KIPP_VNNI)
-  const __m512i dot = _mm512_dpbusd_epi32(_mm512_load_si512(x.corr), a,
-                                          _mm512_load_si512(x.q));
-  const __m512 s = _mm512_mul_ps(reinterpret_cast<__m512>(dv), _mm512_load_ps(x.dx));
-  __m512 out = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), reinterpret_cast<__m512>(acc));
-  if constexpr (F == Format::kAffine4) {
-    out = _mm512_fmadd_ps(reinterpret_cast<__m512>(mv), _mm512_load_ps(x.t), out);
-  }
-  return reinterpret_cast<v16>(out);
-#else
-  for (int l = 0; l < 16; ++l) {
-    int32_t dot = x.corr[l];
-    for (int j = 0; j < 4; ++j) dot += int32_t{a.b[4 * l + j]} * int32_t{x.q[4 * l + j]};
-    const float s = dv[l] * x.dx[l];
-    acc[l] = std::fma(s, static_cast<float>(dot), acc[l]);
-    if constexpr (F == Format::kAffine4) acc[l] = std::fma(mv[l], x.t[l], acc[l]);
-  }
-  return acc;
-#endif
-}
-
-// R quantized x rows against W rows n0 .. n0 + C - 1: each output one 16-lane chain over the
-// pairs in order, then Sum16: the same operations whatever R, C or the thread split.
-template <Format F, int R, int C>
-void QTile(const QPair* x, int64_t pairs, int64_t blocks, const void* w, const uint16_t* d,
-           const uint16_t* m, int64_t n0, float* y, int64_t ldy) {
-  v16 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = Broadcast16(0.0f);
-  for (int64_t p = 0; p < pairs; ++p) {
-    // the tiles ahead, as FusedTile's: C interleaved row streams outrun the hardware prefetcher
-    // (written out here: a helper the compiler did not inline spilled every accumulator)
-    for (int64_t b = 2 * p; b < std::min(2 * p + 2, blocks); ++b) {
-      PrefetchAhead<F, C>(w, d, m, n0 + kPrefetchTiles * C, b, blocks);
-    }
-    PairBytes a[C];
-    v16 dv[C], mv[C] = {};
-    for (int c = 0; c < C; ++c) LoadPair<F>(w, d, m, n0 + c, p, blocks, a + c, dv + c, mv + c);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = PairDot<F>(x[r * pairs + p], a[c], dv[c], mv[c],
-                                                         acc[r][c]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + n0 + c] = Sum16(acc[r][c]);
-}
-
-constexpr int kQRows = 4;
-// An int8 tile as the tables (this one and stored_avx2.h's) hold it.
-using QTileFn = void (*)(const QPair*, int64_t, int64_t, const void*, const uint16_t*,
-                         const uint16_t*, int64_t, float*, int64_t);
-template <Format F>
-struct QTiles {
-  static constexpr QTileFn kTiles[kQRows][kTile] = {
-      {QTile<F, 1, 1>, QTile<F, 1, 2>, QTile<F, 1, 3>, QTile<F, 1, 4>},
-      {QTile<F, 2, 1>, QTile<F, 2, 2>, QTile<F, 2, 3>, QTile<F, 2, 4>},
-      {QTile<F, 3, 1>, QTile<F, 3, 2>, QTile<F, 3, 3>, QTile<F, 3, 4>},
-      {QTile<F, 4, 1>, QTile<F, 4, 2>, QTile<F, 4, 3>, QTile<F, 4, 4>}};
-};
-
-// Unit u of the int8 dot: W rows [u * group, ...) against every quantized x row, in tiles of
-// up to 4 x rows (their pairs stay in L1) by 4 W rows.
-template <Format F>
-void QUnit(const QPair* x, const void* w, const uint16_t* d, const uint16_t* m, float* y,
-           int64_t rows, int64_t k, int64_t n, int64_t group, int64_t u) {
-  const int64_t blocks = k / kBlock, pairs = (blocks + 1) / 2;
-  const int64_t first = u * group, count = std::min(group, n - first);
-  for (int64_t r = 0; r < rows; r += kQRows) {
-    const int64_t tr = std::min<int64_t>(kQRows, rows - r);
-    for (int64_t c = 0; c < count; c += kTile) {
-      const int64_t tc = std::min(kTile, count - c);
-      QTiles<F>::kTiles[tr - 1][tc - 1](x + r * pairs, pairs, blocks, w, d, m, first + c,
-                                        y + r * n, n);
-    }
-  }
-}
+#include "stored_int8.h"  // every build's int8 dot
 
 // ---- The BF16 dot (Dot::kBf16): BF16 weights against x rounded to bf16 ----
 // As a GPU's tensor cores (and llama.cpp's BF16 dot) do it: each row of x rounded to bf16 once
@@ -948,19 +709,20 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
         "kipp_cpu_stored_matmul: the bf16 dot needs a CPU with AVX-512 BF16 (KIPP_JAX_CPU_DOT)");
   }
   if constexpr (D == Dot::kInt8) {
-    const int64_t pairs = (blocks + 1) / 2, group = rows <= 2 * kQRows ? kGroup : 4 * kGroup;
-    std::unique_ptr<QPair, decltype(&std::free)> q(
-        static_cast<QPair*>(std::aligned_alloc(64, rows * pairs * sizeof(QPair))), &std::free);
+    const int64_t spans = (blocks + int8::kSpan - 1) / int8::kSpan;
+    std::unique_ptr<int8::QSpan, decltype(&std::free)> q(
+        static_cast<int8::QSpan*>(std::aligned_alloc(64, rows * spans * sizeof(int8::QSpan))),
+        &std::free);
     if (!q) throw std::bad_alloc();
-    for (int64_t r = 0; r < rows; ++r) QuantizeRow<F>(xp + r * k, k, q.get() + r * pairs);
-    const QPair* qp = q.get();
+    int8::QSpan* qp = q.get();
+    kipp::ParallelFor(pool, rows, std::max<int64_t>(1, rows / (threads * 4)), [=](int64_t r) {
+      int8::QuantizeRow<F>(xp + r * k, k, qp + r * spans);
+    });
+    // a long round's units are wider: each re-reads its W rows (from L2) per tile of x rows
+    const int64_t group = rows <= int8::kRows ? kGroup : 4 * kGroup;
     const int64_t units = (n + group - 1) / group;
     kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
-#if defined(KIPP_AVX2)
-      avx2::QUnit<F>(qp, wp, dp, mp, yp, rows, k, n, group, u);
-#else
-      QUnit<F>(qp, wp, dp, mp, yp, rows, k, n, group, u);
-#endif
+      int8::Unit<F>(qp, wp, dp, mp, yp, rows, k, n, group, u);
     });
     return ffi::Error::Success();
   }
