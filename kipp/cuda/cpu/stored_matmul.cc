@@ -22,8 +22,9 @@
 // k = j, j + 16, ...), in k order, then one fixed add tree over the lanes: the same operations
 // whatever the tile, the row count or the thread split, so a row's result is bitwise the same
 // alone or batched. The activation stays float32 (no int8 rounding): only the summation order
-// differs from the float64 oracle. The int8 dot (Dot::kInt8, below) rounds x to int8 per block
-// first, the BF16 dot (Dot::kBf16, below) to bf16: their own numerics, every row count alike.
+// differs from the float64 oracle. The int8 dot (Dot::kInt8, stored_int8.h) rounds x to int8
+// per block first, the BF16 dot (Dot::kBf16, below) to bf16: their own numerics, every row
+// count alike.
 #include <limits>
 
 #include "kernels.h"

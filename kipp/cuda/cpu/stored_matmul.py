@@ -21,10 +21,10 @@ same bound against float64.
 
 Dot.INT8 (KIPP_JAX_CPU_DOT=int8, opt-in) rounds each row of x to int8 per 32-block (llama.cpp's
 q8_0 activation) and runs the quantized formats as integer dots (AVX-512 VNNI where present,
-AVX2's vpmaddubsw where that is the widest): about twice the compute rate per core with VNNI,
-faster than the float32 dot at 4 bits on AVX2 only at some shapes; each row still bitwise the
-same alone or batched, but the rounding moves the logits outside the JAX backend's calibrated
-bounds (docs/backends.md).
+AVX2's vpmaddubsw where that is the widest; stored_int8.h): each block's whole integer sum, then
+one float32 multiply-add per block, so a round of several rows or a prompt runs about twice
+the float32 dot's rate; each row still bitwise the same alone or batched, but the rounding
+moves the logits outside the JAX backend's calibrated bounds (docs/backends.md).
 
 Dot.BF16 (KIPP_JAX_CPU_DOT=bf16, opt-in, a CPU with AVX-512 BF16) rounds each row of x to bf16
 for BF16 weights and runs vdpbf16ps over the weights in place: twice the multiply-adds per
