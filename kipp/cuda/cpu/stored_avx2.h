@@ -59,10 +59,9 @@ inline void Decode(const void* w, const uint16_t* d, const uint16_t* m, int64_t 
 
 // Sum16 of the 16 lanes (lo, hi): lo + hi, then 4, 2 and 1 apart.
 inline float Sum(__m256 lo, __m256 hi) {
-  const __m256 a = _mm256_add_ps(lo, hi);
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+  v16 v;
+  std::memcpy(&v, &lo, 32), std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return Sum16(v);
 }
 
 // R rows of x (a decode round) against W rows n0 .. n0 + C - 1, each block decoded into
