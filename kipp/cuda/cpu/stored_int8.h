@@ -216,9 +216,12 @@ inline void LoadSpan(const void* w, const uint16_t* d, const uint16_t* m, int64_
   }
   const __mmask16 scales = have == kSpan ? 0xffff : static_cast<__mmask16>((1u << have) - 1);
   *dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(scales, d + at));
-  if constexpr (F == Format::kAffine4) *mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(scales, m + at));
+  if constexpr (F == Format::kAffine4) {
+    *mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(scales, m + at));
+  }
 }
 
+// A decode round's tile: each span of W row n loaded and transposed once for all R x rows.
 template <Format F, int R>
 void Tile(const QSpan* x, int64_t spans, int64_t blocks, const void* w, const uint16_t* d,
           const uint16_t* m, int64_t n, float* y, int64_t ldy) {
@@ -350,7 +353,9 @@ inline void LoadHalf(const void* w, int64_t at, int64_t have, __m256i t[8]) {
   }
   if constexpr (F == Format::kQ8_0) {  // an 8 x 8 transpose of dwords (block j's in row j)
     __m256i r[8], u[8];
-    for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j));
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j));
+    }
     for (int j = 0; j < 8; j += 2) {
       u[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
       u[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
@@ -367,7 +372,9 @@ inline void LoadHalf(const void* w, int64_t at, int64_t have, __m256i t[8]) {
     }
   } else {  // vector p holds blocks 2p and 2p + 1 (a 128-bit lane each) of 4 dwords
     __m256i y[4], u[4];
-    for (int p = 0; p < 4; ++p) y[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p));
+    for (int p = 0; p < 4; ++p) {
+      y[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p));
+    }
     u[0] = _mm256_unpacklo_epi32(y[0], y[1]);
     u[1] = _mm256_unpackhi_epi32(y[0], y[1]);
     u[2] = _mm256_unpacklo_epi32(y[2], y[3]);
