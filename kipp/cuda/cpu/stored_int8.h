@@ -421,7 +421,7 @@ void Tile(const QSpan* x, int64_t spans, int64_t blocks, const void* w, const ui
             dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
                 _mm256_maddubs_epi16(magnitude[i], _mm256_sign_epi8(xv, t[i])), ones));
           }
-        } else {  // a nibble pair's product is at most 2 * 15 * 127: eight of them fit int16
+        } else {  // vpmaddubsw sums two nibble products (at most 2 * 15 * 127): eight fit int16
           __m256i pairs = _mm256_setzero_si256();
           for (int i = 0; i < 8; ++i) {
             const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));
