@@ -144,30 +144,23 @@ constexpr Indices Swap(int bit, int x) {
   for (int l = 0; l < 16; ++l) out.v[l] = (l & ~(1 << bit)) | (x << bit) | (((l >> bit) & 1) << 4);
   return out;
 }
-// The last levels also put the lanes in block order. q8_0's vectors start as blocks 2p, 2p + 1
-// (lane: b0, then dword i2 i1 i0); after two swaps the lanes are (b0, i2, b2, b1) and the pair
-// differs in b3. The nibble formats' start as blocks 4p .. 4p + 3 (lane: b1 b0, then dword
-// i1 i0); after one swap the lanes are (b1, b0, i1, b2) and the pair differs in b3.
-constexpr Indices Q8Last(int x) {
+// The last levels also put the lanes in block order: lane b takes the source lane whose bits
+// (3 down to 0) hold b0, b1, b2 and the output's x at the positions given, from the source b3
+// picks. q8_0's vectors start as blocks 2p, 2p + 1 (lane: b0, then dword i2 i1 i0); after two
+// swaps the lanes are (b0, i2, b2, b1). The nibble formats' start as blocks 4p .. 4p + 3 (lane:
+// b1 b0, then dword i1 i0); after one swap the lanes are (b1, b0, i1, b2).
+constexpr Indices Last(int x, int at_b0, int at_b1, int at_b2, int at_x) {
   Indices out{};
   for (int b = 0; b < 16; ++b) {
     const int b3 = b >> 3, b2 = (b >> 2) & 1, b1 = (b >> 1) & 1, b0 = b & 1;
-    out.v[b] = (b0 << 3 | x << 2 | b2 << 1 | b1) | b3 << 4;
-  }
-  return out;
-}
-constexpr Indices NibbleLast(int x) {
-  Indices out{};
-  for (int b = 0; b < 16; ++b) {
-    const int b3 = b >> 3, b2 = (b >> 2) & 1, b1 = (b >> 1) & 1, b0 = b & 1;
-    out.v[b] = (b1 << 3 | b0 << 2 | x << 1 | b2) | b3 << 4;
+    out.v[b] = (b0 << at_b0 | b1 << at_b1 | b2 << at_b2 | x << at_x) | b3 << 4;
   }
   return out;
 }
 constexpr Indices kSwap0[2] = {Swap(0, 0), Swap(0, 1)};
 constexpr Indices kSwap1[2] = {Swap(1, 0), Swap(1, 1)};
-constexpr Indices kQ8Last[2] = {Q8Last(0), Q8Last(1)};
-constexpr Indices kNibbleLast[2] = {NibbleLast(0), NibbleLast(1)};
+constexpr Indices kQ8Last[2] = {Last(0, 3, 0, 1, 2), Last(1, 3, 0, 1, 2)};
+constexpr Indices kNibbleLast[2] = {Last(0, 2, 3, 0, 1), Last(1, 2, 3, 0, 1)};
 
 template <int kVectors>
 inline void Level(__m512i* v, int bit, const Indices (&index)[2]) {
