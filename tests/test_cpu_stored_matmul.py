@@ -101,7 +101,7 @@ def _err(got, x, dense):
                                    (2, 24, 4160), (4, 50, 2080), (8, 45, 1056)])
 def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
     """Row counts on every tile (1..8 rows decoded into registers, more through the scratch
-    in tiles of up to 6), W row counts leaving partial tiles and units (a long round's unit
+    in tiles of up to 6; BF16 up to 32 rows in register rounds of 8), W row counts leaving partial tiles and units (a long round's unit
     is as many W rows as fill the scratch: 16 to 128 here), one to 130 blocks a row; a decode
     round's rows in spans of K (2 rows at 130 blocks, 4 at 65, 8 at 33: the last span one or
     two blocks); in the AMX build's BF16 dot, partial and odd tiles of 16 x rows and of 16 W
@@ -118,13 +118,14 @@ def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("k", [192, 2080])
 def test_each_row_is_bitwise_the_same_alone_or_batched(scheme, k):
-    """Every row count a round makes (registers up to 8 rows, the scratch past them): the same
-    FMA chains and lane tree, so the same bits. At 65 blocks a row, rounds of 4 to 8 rows run
-    in spans of K (a chain parked between spans and picked up again), fewer rows whole."""
-    x, w, _ = _case(11, scheme, 20, 300, k)  # 300 W rows: a long round's units split them
+    """Every row count a round makes (registers up to 8 rows, BF16's register rounds of 8 up
+    to 32 rows, the scratch past them): the same FMA chains and lane tree, so the same bits.
+    At 65 blocks a row, rounds of 4 to 8 rows run in spans of K (a chain parked between spans
+    and picked up again), fewer rows whole."""
+    x, w, _ = _case(11, scheme, 40, 300, k)  # 300 W rows: a long round's units split them
     call = jax.jit(stored_matmul.matmul)
     alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20, 32, 33, 40):
         batched = np.asarray(call(x[:m], w))
         assert np.array_equal(batched.view(np.uint32), alone[:m].view(np.uint32)), m
 

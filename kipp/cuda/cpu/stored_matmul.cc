@@ -12,7 +12,8 @@
 // its own numerics, described there).
 // A decode round (up to 8 rows of x) decodes each block into registers and multiplies all its
 // rows against it, W tiles of 1 or 2 rows (BF16, q8_0) or up to 4 (the 4-bit tables), over
-// spans of K whose x rows stay in L1, with the W bytes the unit reads next prefetched into L2;
+// spans of K whose x rows stay in L1, with the W bytes the unit reads next prefetched into L2
+// (BF16 rounds of up to 32 rows run so too, 8 x rows at a time over the unit's W rows);
 // a longer round's unit is as many W rows as fill an L2-sized float32 scratch
 // (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows.
 // Either way each x vector is held in a register across its tile's W rows (loads, not FMAs,
@@ -366,6 +367,13 @@ void FusedTile(const float* x, int64_t k, const void* w, const uint16_t* d, cons
 // A decode round (up to kFusedRows rows) runs all its x rows against each tile of W rows, so
 // each block is decoded once.
 constexpr int kFusedRows = 8;
+// The most rows a round of format F runs as decode rounds of kFusedRows rows over each unit's
+// W rows (read again from L1 or L2 per round), not through the float32 scratch. BF16's decode
+// is a shift: up to 32 rows, decoding it into the scratch cost more than the reads it saves.
+template <Format F>
+constexpr int64_t FusedLimit() {
+  return F == Format::kBf16 ? 4 * kFusedRows : kFusedRows;
+}
 // W rows a tile of R x rows takes at most. BF16 and q8_0: two (DecodeWidth). A 4-bit tile,
 // its two decoded halves a W row beside them: at most 4 W rows and 30 registers (wider ones
 // spill).
@@ -481,16 +489,19 @@ void Unit(const float* x, const void* w, const uint16_t* d, const uint16_t* m, f
           int64_t rows, int64_t k, int64_t n, int64_t group, int64_t u) {
   const int64_t first = u * group;
   const int64_t count = std::min(group, n - first);
-  if (rows <= kFusedRows) {  // a decode round: each block decoded into registers
-    const int64_t width = DecodeWidth<F>(rows), blocks = k / kBlock;
-    const int64_t span = SpanBlocks(rows, blocks);
-    alignas(64) v16 carry[kGroup * kFusedRows];  // tile c's chains at carry + c * rows
-    for (int64_t b0 = 0; b0 < blocks; b0 += span) {
-      const int64_t b1 = std::min(blocks, b0 + span);
-      for (int64_t c = 0; c < count; c += width) {
-        const int64_t tc = std::min(width, count - c);
-        Fused<F>::kTiles[rows - 1][tc - 1](x, k, w, d, m, first + c, b0, b1, carry + c * rows,
-                                           y, n);
+  if (rows <= FusedLimit<F>()) {  // decode rounds: each block decoded into registers
+    for (int64_t r0 = 0; r0 < rows; r0 += kFusedRows) {
+      const int64_t tr = std::min<int64_t>(kFusedRows, rows - r0);
+      const int64_t width = DecodeWidth<F>(tr), blocks = k / kBlock;
+      const int64_t span = SpanBlocks(tr, blocks);
+      alignas(64) v16 carry[kGroup * kFusedRows];  // tile c's chains at carry + c * tr
+      for (int64_t b0 = 0; b0 < blocks; b0 += span) {
+        const int64_t b1 = std::min(blocks, b0 + span);
+        for (int64_t c = 0; c < count; c += width) {
+          const int64_t tc = std::min(width, count - c);
+          Fused<F>::kTiles[tr - 1][tc - 1](x + r0 * k, k, w, d, m, first + c, b0, b1,
+                                           carry + c * tr, y + r0 * n, n);
+        }
       }
     }
     return;
@@ -749,7 +760,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w_ba
     return ffi::Error::Success();
   }
 #endif
-  const int64_t group = Group(rows, k);
+  const int64_t group = rows <= FusedLimit<F>() ? kGroup : Group(rows, k);
   const int64_t units = (n + group - 1) / group;
   kipp::ParallelFor(pool, units, units / (threads * 8), [=](int64_t u) {
 #if defined(KIPP_AVX2)
