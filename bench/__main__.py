@@ -349,7 +349,8 @@ def _add_run_command(sub) -> None:
     p.add_argument("--weight-memory", default="", help="Kipp arms per weight layout, comma "
                    "list of stored,float32 (default: each backend's auto choice)")
     p.add_argument("--cpu-dot", default="", help="Kipp arms per dot of the stored CPU matmul, "
-                   "comma list of f32,int8,bf16 ($KIPP_JAX_CPU_DOT; default: its own)")
+                   "comma list of f32,int8,bf16,int8+bf16 ($KIPP_JAX_CPU_DOT; default: its "
+                   "own)")
 
 
 def _add_record_commands(sub) -> None:

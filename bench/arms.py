@@ -92,8 +92,9 @@ def plan(checkpoint: str, engine_names: list[str], schemes: list[str], backends:
          cpu_dots: list[str] | None = None) -> list[ArmSpec]:
     """Every arm to run, grouped by scheme in `schemes` order, engines in the order given.
     `weight_memory` ("stored", "float32"): one Kipp arm per backend and mode (kipp.memory);
-    none given: each backend's own choice ("auto"). `cpu_dots` ("f32", "int8", "bf16"): one
-    Kipp arm per dot of the stored CPU matmul as well ($KIPP_JAX_CPU_DOT at load)."""
+    none given: each backend's own choice ("auto"). `cpu_dots` ("f32", "int8", "bf16",
+    "int8+bf16"): one Kipp arm per dot of the stored CPU matmul as well ($KIPP_JAX_CPU_DOT at
+    load)."""
     from kipp.formats import store
 
     expect_paths = expect_paths or {}

@@ -307,8 +307,9 @@ def test_a_rounding_dot_matches_numpy(scheme, dot, m, n, k):
     decode rounds of 1 to 8 rows run in spans of K at 65 and 33 blocks, its long rounds in
     tiles of 6 x 4; partial tiles and units. A subnormal block beside normal ones: 1 / its dx
     is inf for the int8 rounding, and vdpbf16ps reads it as zero (nothing at the bound)."""
-    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
+    if "bf16" in mode.split("+") and not stored_matmul.bf16_dot_supported()[0]:
         pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+    named = stored_matmul.dots(mode)
     rows, bound, x_bound = _ROUNDING[dot]
     x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
     if k > quant.BLOCK:
@@ -327,8 +328,9 @@ def test_a_rounding_dot_is_bitwise_the_same_alone_or_batched(scheme, dot, k):
     """Each row is rounded alone and every output is the same chain whatever the tile, so
     every row count gives the same bits: the int8 dot's decode tiles and long rounds (224: 7
     blocks, a part span), the BF16 dot's decode rounds, spans of K (at 2080) and long rounds."""
-    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
+    if "bf16" in mode.split("+") and not stored_matmul.bf16_dot_supported()[0]:
         pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+    named = stored_matmul.dots(mode)
     x, w, _ = _case(12, scheme, 20, 300, k)
     call = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))
     alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
@@ -383,18 +385,41 @@ def test_the_bf16_dot_switch(monkeypatch):
     with pytest.raises(ValueError, match="KIPP_JAX_CPU_DOT=bf16: this CPU does not report "
                                          "AVX-512 BF16"):
         stored_matmul.dot_mode()
+    with pytest.raises(ValueError, match="KIPP_JAX_CPU_DOT=int8\\+bf16: this CPU does not"):
+        stored_matmul.dots("int8+bf16")
+
+
+@needs_kernel
+@needs_bf16_dot
+def test_joined_dots_give_each_format_its_own(monkeypatch):
+    """KIPP_JAX_CPU_DOT=int8+bf16 (either order): the quantized formats run the int8 dot and
+    BF16 weights (a quantized artifact's head) the BF16 dot, each bitwise as alone; the
+    backend's mode string keeps the order given; a part it does not know is an error naming
+    the variable."""
+    xq, wq, _ = _case(4, "q8_0", 2, 24, 64)
+    x, w, _ = _case(4, "bf16", 2, 24, 64)
+    int8, bf16 = np.asarray(_int8(xq, wq)), np.asarray(_bf16(x, w))
+    for mode in ("int8+bf16", "bf16+int8"):
+        assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq, dot=mode)), int8), mode
+        assert np.array_equal(np.asarray(stored_matmul.matmul(x, w, dot=mode)), bf16), mode
+    assert not np.array_equal(bf16, np.asarray(stored_matmul.matmul(x, w, dot="int8")))
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8+bf16")
+    assert stored_matmul.dot_mode() == "int8+bf16"
+    assert np.array_equal(np.asarray(stored_matmul.matmul(x, w)), bf16)
+    with pytest.raises(ValueError, match="KIPP_JAX_CPU_DOT='int8\\+int4': expected one of"):
+        stored_matmul.dots("int8+int4")
 
 
 @pytest.mark.slow  # ~20 s a scheme
 @needs_kernel
-@pytest.mark.parametrize("scheme,dot", [(s, stored_matmul.Dot.INT8)
-                                        for s in stored_matmul.INT8_FORMATS]
-                         + [("bf16", stored_matmul.Dot.BF16)])
-def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, dot):
-    """KIPP_JAX_CPU_DOT=int8 (the quantized schemes) or bf16 (BF16) through the JAX backend,
-    prefill and decode across a block boundary: against the numpy reference whose projections
-    round x the same way where the dot does (_int8_rows for quantized weights, _bf16_rows for
-    BF16 ones) it passes INT8_BACKEND_BOUND or BF16_BACKEND_BOUND; against the plain
+@pytest.mark.parametrize("scheme,mode", [(s, "int8") for s in stored_matmul.INT8_FORMATS]
+                         + [("bf16", "bf16"), ("q8_0", "int8+bf16")])
+def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, mode):
+    """KIPP_JAX_CPU_DOT=int8 (the quantized schemes), bf16 (BF16) or int8+bf16 (a quantized
+    scheme's BF16 head on the BF16 dot too) through the JAX backend, prefill and decode across
+    a block boundary: against the numpy reference whose projections round x the same way where
+    the dot does (_int8_rows for quantized weights, _bf16_rows for BF16 ones under the BF16
+    dot) it passes INT8_BACKEND_BOUND or BF16_BACKEND_BOUND; against the plain
     reference it does not pass even the bound between backends (1e-4): the rounding itself is
     what the synthetic model amplifies, which is why neither dot is the default."""
     from kipp import gates
@@ -404,8 +429,9 @@ def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, dot):
     from kipp.reference import ops
     from kipp.reference.backend import ReferenceBackend
 
-    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
+    if "bf16" in mode.split("+") and not stored_matmul.bf16_dot_supported()[0]:
         pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
+    named = stored_matmul.dots(mode)
     artifact = open_artifact(artifacts("kipp-synthetic/qwen3-tiny-untied", scheme))
     table = np.random.default_rng(0).permutation(12)[:3]
     tokens = tuple(int(t) for t in np.random.default_rng(1).integers(0, 151_643, 30))
@@ -414,28 +440,32 @@ def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, dot):
     gates.gate_backends(ReferenceBackend(artifact, 12), JaxBackend(artifact, 12,
                         weight_memory="stored"), tokens, table, logits_rows=30, decode_steps=4,
                         bound=1e-4)
-    monkeypatch.setenv(stored_matmul.DOT_ENV, dot.value)
+    monkeypatch.setenv(stored_matmul.DOT_ENV, mode)
     backend = JaxBackend(artifact, 12, weight_memory="stored")
-    assert backend.plan.cpu_stored and f"{dot.value} dot" in backend.describe()
+    assert backend.plan.cpu_stored and f"({mode} dot)" in backend.describe()
     plain = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
                                 logits_rows=30, decode_steps=4, bound=1e-4)
     linear = ops.linear
-    rows, _, _ = _ROUNDING[dot]
+    used = set()
 
-    def rounds(w):  # the weights the dot rounds x for
-        if dot is stored_matmul.Dot.BF16:
-            return w.ggml_type == GGML_BF16
-        return w.raw.size < 2 * np.prod(w.shape)  # quantized: under 2 bytes a weight
+    def dot(w):  # the dot w's format runs (quantized: under 2 bytes a weight)
+        fmt = ("bf16" if w.ggml_type == GGML_BF16
+               else scheme if w.raw.size < 2 * np.prod(w.shape) else "f32")
+        return stored_matmul.dot_for(fmt, named)
 
     def rounded(x, w):
-        return linear(rows(x).astype(np.float32) if rounds(w) else x, w)
+        d = dot(w)
+        used.add(d)
+        return linear(_ROUNDING[d][0](x).astype(np.float32) if d in _ROUNDING else x, w)
 
     monkeypatch.setattr(ops, "linear", rounded)
-    bound = INT8_BACKEND_BOUND if dot is stored_matmul.Dot.INT8 else BF16_BACKEND_BOUND
+    bound = max(INT8_BACKEND_BOUND if d is stored_matmul.Dot.INT8 else BF16_BACKEND_BOUND
+                for d in named)
     same = gates.gate_backends(ReferenceBackend(artifact, 12), backend, tokens, table,
                                logits_rows=30, decode_steps=4, bound=bound)
-    print(f"{scheme}: {dot.value} dot vs reference {plain.metric:.3g}, vs the same rounding "
+    print(f"{scheme}: {mode} dot vs reference {plain.metric:.3g}, vs the same rounding "
           f"{same.metric:.3g} (worst-row NMSE)")
+    assert set(named) <= used  # each dot named met a weight (int8+bf16: the BF16 head)
     assert same.passed, same.detail
     assert not plain.passed
 

@@ -182,8 +182,8 @@ class JaxBackend(Backend):
                    else f"{self.layout} weights")
         if self.plan.cpu_stored:
             weights += ", Kipp CPU stored matmul"
-            if self._dot is not cpu_stored.Dot.F32:
-                weights += f" ({self._dot.value} dot)"
+            if self._dot != cpu_stored.Dot.F32.value:
+                weights += f" ({self._dot} dot)"
         if self.cpu_attention:
             weights += ", Kipp CPU attention"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "
@@ -403,7 +403,7 @@ class JaxBackend(Backend):
         return forward.Ops(kernels=kernels, interpret=self.choice.interpret,
                            twins=frozenset(self.kernels.fell_back),
                            cpu_attention=self.cpu_attention, cpu_stored=self.plan.cpu_stored,
-                           cpu_dot=self._dot.value,
+                           cpu_dot=self._dot,
                            pipeline=self.mesh if self.pipelined else None)
 
 

@@ -336,12 +336,12 @@ def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(
     head = _stored_planes(rng, "bf16", VOCAB_SIZE, h)  # the embedding, tied or not: BF16
     weights = {fmt: ([stacked(fmt, n, k) for n, k in shapes],
                      head) for fmt in schemes}
-    # each scheme under the float32 dot and each other dot that changes it (the BF16 dot
-    # where this CPU runs it); under the BF16 dot a quantized scheme's head is the one change
-    dots = [d for d in stored_matmul.Dot
-            if d is not stored_matmul.Dot.BF16 or stored_matmul.bf16_dot_supported()[0]]
-    arms = [(fmt, d) for fmt in schemes for d in dots
-            if d is stored_matmul.Dot.F32 or fmt in stored_matmul.DOT_FORMATS[d]]
+    # each scheme under the float32 dot and each other that changes its layers (the BF16 dot
+    # where this CPU runs it); int8+bf16 runs a quantized scheme's head on the BF16 dot too
+    modes = ["f32", "int8"] + (["bf16", "int8+bf16"] if stored_matmul.bf16_dot_supported()[0]
+                               else [])
+    arms = [(fmt, d) for fmt in schemes for d in modes if d == "f32" or fmt in
+            stored_matmul.DOT_FORMATS[stored_matmul.Dot(d.split("+")[0])]]
     times = {(fmt, d, m): [] for fmt, d in arms for m in m_values}
     for fmt, d, m in times:
         jax.block_until_ready(call(inputs[m], *weights[fmt], d))  # compile
@@ -354,7 +354,7 @@ def step_matmuls(checkpoint: str = "kipp-synthetic/qwen3-0.6b-shape", m_values=(
         cells = [f"M={m}: {statistics.median(times[fmt, d, m]) * 1e3:6.1f} "
                  f"[{min(times[fmt, d, m]) * 1e3:.1f}-{max(times[fmt, d, m]) * 1e3:.1f}]"
                  for m in m_values]
-        lines.append(f"  {fmt:13} {d.value:4} " + "  ".join(cells))
+        lines.append(f"  {fmt:13} {d:9} " + "  ".join(cells))
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ class Ops:
     twins: frozenset = frozenset()  # kernel variants that failed their probe (kipp.cuda.probe)
     cpu_attention: bool = False  # twins' attention on Kipp's CPU kernel (one CPU device)
     cpu_stored: bool = False  # twins' stored-format projections on Kipp's CPU matmul (one CPU)
-    cpu_dot: str = "f32"  # that matmul's dot (kipp.cuda.cpu.stored_matmul.Dot), fixed at load
+    cpu_dot: str = "f32"  # that matmul's dots (kipp.cuda.cpu.stored_matmul.dots), fixed at load
     pipeline: object = None  # a Mesh with a "pp" axis: stacked layers in stages (_pipeline)
 
     def linear(self, x: jax.Array, w: Linear, head: bool = False, layer=None) -> jax.Array:
@@ -51,7 +51,7 @@ class Ops:
         if w.fmt == "f32p":  # the CPU layout: only Kipp's CPU matmul reads panels
             return cpu_matmul.matmul(x, w.w, layer)
         if self.cpu_stored and w.fmt in cpu_stored.FORMATS:  # the stored planes, on a CPU
-            return cpu_stored.matmul(x, w, layer, cpu_stored.Dot(self.cpu_dot))
+            return cpu_stored.matmul(x, w, layer, self.cpu_dot)
         # Interpret mode pays per program: the 151,936-row head would take minutes, so there
         # it runs its twin (the BF16 kernel is checked on its own in the kernel tests).
         if self.kernels and not (head and self.interpret) and \

@@ -31,6 +31,9 @@ for BF16 weights and runs vdpbf16ps over the weights in place: twice the multipl
 instruction, so a decode round of several rows costs about its weight stream and a prefill
 chunk runs faster; each row bitwise the same alone or batched, the rounding outside the
 calibrated bounds as the int8 dot's (docs/backends.md).
+
+Dots join with "+" (KIPP_JAX_CPU_DOT=int8+bf16): each format runs the first that names it, so
+a quantized artifact's BF16 output head takes the BF16 dot while its layers take the int8 one.
 """
 
 from __future__ import annotations
@@ -82,20 +85,31 @@ def bf16_dot_supported() -> tuple[bool, str]:
     return True, ""
 
 
-def dot_mode() -> Dot:
-    """The dot $KIPP_JAX_CPU_DOT asks for (JaxBackend reads it at load); raises naming the
-    variable for a value it does not know."""
-    value = os.environ.get(DOT_ENV, Dot.F32.value)
+def dots(value: str) -> tuple[Dot, ...]:
+    """The dots a $KIPP_JAX_CPU_DOT value names, in order: one ("int8") or several joined by
+    "+" ("int8+bf16"); raises naming the variable for one it does not know, or for the BF16 dot
+    where this CPU or build has none."""
     try:
-        dot = Dot(value)
+        named = tuple(Dot(part) for part in value.split("+"))
     except ValueError:
         raise ValueError(f"{DOT_ENV}={value!r}: expected one of "
-                         f"{', '.join(d.value for d in Dot)}") from None
-    if dot is Dot.BF16:
+                         f"{', '.join(d.value for d in Dot)}, or several joined by '+'") from None
+    if Dot.BF16 in named:
         ok, why = bf16_dot_supported()
         if not ok:
-            raise ValueError(f"{DOT_ENV}=bf16: {why}")
-    return dot
+            raise ValueError(f"{DOT_ENV}={value}: {why}")
+    return named
+
+
+def dot_for(fmt: str, named: tuple[Dot, ...]) -> Dot:
+    """The dot format `fmt` runs under `named`: the first that names it, else the float32 dot."""
+    return next((d for d in named if fmt in DOT_FORMATS[d]), Dot.F32)
+
+
+def dot_mode() -> str:
+    """The dots $KIPP_JAX_CPU_DOT asks for, checked (`dots`), as a string: JaxBackend reads it
+    at load and keys its programs by it."""
+    return "+".join(d.value for d in dots(os.environ.get(DOT_ENV, Dot.F32.value)))
 
 
 def available() -> tuple[bool, str]:
@@ -103,12 +117,13 @@ def available() -> tuple[bool, str]:
     return cpu_matmul.library(ENV)
 
 
-def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | str | None = None) -> jax.Array:
     """x [M, K] float32 @ W^T -> [M, N] float32, W a "device"-layout Linear of one of FORMATS
     (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes
     stacked over layers `[L, ...]` and read at `layer` (the kernel indexes the stack: no
-    copy). `dot` (default: dot_mode()): Dot.INT8 quantizes x per block for the quantized
-    formats, Dot.BF16 rounds it to bf16 for BF16 weights."""
+    copy). `dot` (a Dot, or a $KIPP_JAX_CPU_DOT value such as "int8+bf16"; default:
+    dot_mode()): Dot.INT8 quantizes x per block for the quantized formats, Dot.BF16 rounds it
+    to bf16 for BF16 weights."""
     if w.fmt not in FORMATS:
         raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
     ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
@@ -118,6 +133,7 @@ def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | None = None) -> jax.A
     if layer is None:
         planes, layer = [a[None] for a in planes], 0
     out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
-    dot = Dot(dot) if dot is not None else dot_mode()
+    named = dots(dot.value if isinstance(dot, Dot) else dot or dot_mode())
+    dot = dot_for(w.fmt, named)
     return jax.ffi.ffi_call(target(w.fmt, dot), out)(
         x.astype(jnp.float32), *planes, jnp.asarray(layer, jnp.int32).reshape(1))
