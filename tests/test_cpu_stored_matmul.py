@@ -307,9 +307,8 @@ def test_a_rounding_dot_matches_numpy(scheme, dot, m, n, k):
     decode rounds of 1 to 8 rows run in spans of K at 65 and 33 blocks, its long rounds in
     tiles of 6 x 4; partial tiles and units. A subnormal block beside normal ones: 1 / its dx
     is inf for the int8 rounding, and vdpbf16ps reads it as zero (nothing at the bound)."""
-    if "bf16" in mode.split("+") and not stored_matmul.bf16_dot_supported()[0]:
+    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
         pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
-    named = stored_matmul.dots(mode)
     rows, bound, x_bound = _ROUNDING[dot]
     x, w, dense = _case(m * 7919 + n * 31 + k, scheme, m, n, k)
     if k > quant.BLOCK:
@@ -328,9 +327,8 @@ def test_a_rounding_dot_is_bitwise_the_same_alone_or_batched(scheme, dot, k):
     """Each row is rounded alone and every output is the same chain whatever the tile, so
     every row count gives the same bits: the int8 dot's decode tiles and long rounds (224: 7
     blocks, a part span), the BF16 dot's decode rounds, spans of K (at 2080) and long rounds."""
-    if "bf16" in mode.split("+") and not stored_matmul.bf16_dot_supported()[0]:
+    if dot is stored_matmul.Dot.BF16 and not stored_matmul.bf16_dot_supported()[0]:
         pytest.skip(f"the BF16 dot: {stored_matmul.bf16_dot_supported()[1]}")
-    named = stored_matmul.dots(mode)
     x, w, _ = _case(12, scheme, 20, 300, k)
     call = jax.jit(lambda x, w: stored_matmul.matmul(x, w, dot=dot))
     alone = np.stack([np.asarray(call(x[i:i + 1], w))[0] for i in range(len(x))])
@@ -579,8 +577,9 @@ def test_the_matvec_benchmark_reports_every_scheme_and_dot():
 @needs_kernel
 def test_the_step_matmuls_benchmark_reports_every_scheme_and_row_count():
     """`python -m kipp.cuda.bench --step-matmuls`, at the tiny shape: one line per scheme and
-    dot (the float32 dot; int8 for the quantized schemes; bf16 for BF16 where this CPU has it),
-    each row count a positive time within its own range."""
+    dot (the float32 dot; int8 for the quantized schemes; where this CPU has the BF16 dot, bf16
+    for BF16 and int8+bf16 for the quantized schemes), each row count a positive time within
+    its own range."""
     import re
 
     from kipp.cuda import bench
@@ -588,9 +587,11 @@ def test_the_step_matmuls_benchmark_reports_every_scheme_and_row_count():
     lines = bench.step_matmuls("kipp-synthetic/qwen3-tiny", m_values=(1, 3),
                                repeats=2).splitlines()[1:]
     bf16 = stored_matmul.bf16_dot_supported()[0]
-    want = [(s, d.value) for s in SCHEMES for d in stored_matmul.Dot
-            if d is stored_matmul.Dot.F32 or (s in stored_matmul.DOT_FORMATS[d]
-                                              and (d is not stored_matmul.Dot.BF16 or bf16))]
+    quantized = stored_matmul.INT8_FORMATS
+    want = [(s, d) for s in SCHEMES for d in ("f32", "int8", "bf16", "int8+bf16")
+            if d == "f32" or (d == "int8" and s in quantized) or (d == "bf16" and s == "bf16"
+                                                                  and bf16)
+            or (d == "int8+bf16" and s in quantized and bf16)]
     assert [tuple(line.split()[:2]) for line in lines] == want
     for line in lines:
         cells = re.findall(r"M=(\d+): +([\d.]+) \[([\d.]+)-([\d.]+)\]", line)
