@@ -13,7 +13,7 @@
 // A decode round (up to 8 rows of x) decodes each block into registers and multiplies all its
 // rows against it, W tiles of 1 or 2 rows (BF16, q8_0) or up to 4 (the 4-bit tables), over
 // spans of K whose x rows stay in L1, with the W bytes the unit reads next prefetched into L2
-// (BF16 rounds of up to 32 rows run so too, 8 x rows at a time over the unit's W rows);
+// (BF16 rounds of up to 32 rows run so too outside the AVX2 build, 8 x rows at a time);
 // a longer round's unit is as many W rows as fill an L2-sized float32 scratch
 // (16 to 128), decoded once and run against the x rows in tiles of up to 6 x rows by 4 W rows.
 // Either way each x vector is held in a register across its tile's W rows (loads, not FMAs,
@@ -370,9 +370,14 @@ constexpr int kFusedRows = 8;
 // The most rows a round of format F runs as decode rounds of kFusedRows rows over each unit's
 // W rows (read again from L1 or L2 per round), not through the float32 scratch. BF16's decode
 // is a shift: up to 32 rows, decoding it into the scratch cost more than the reads it saves.
+// The AVX2 build's rounds (stored_avx2.h) keep 8: its 24- and 32-row rounds ran slower so.
 template <Format F>
 constexpr int64_t FusedLimit() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return kFusedRows;
+#else
   return F == Format::kBf16 ? 4 * kFusedRows : kFusedRows;
+#endif
 }
 // W rows a tile of R x rows takes at most. BF16 and q8_0: two (DecodeWidth). A 4-bit tile,
 // its two decoded halves a W row beside them: at most 4 W rows and 30 registers (wider ones
