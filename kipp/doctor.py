@@ -35,8 +35,11 @@ from kipp.chooser import choose_backend, open_backend
 TINY = "kipp-synthetic/qwen3-tiny"
 PACKAGES = ("kipp", "numpy", "ml_dtypes", "jax", "jaxlib", "jax-cuda12-plugin", "mlx",
             "mlx-metal", "torch", "transformers", "tokenizers", "flask", "waitress")
+# docs/backends.md's table of switches, and the frameworks' own that change what runs
 SWITCHES = ("KIPP_HOME", "KIPP_KERNEL_FALLBACK", "KIPP_MLX_TWINS", "KIPP_JAX_TWINS",
-            "KIPP_MLX_CPU_STREAMS", "JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
+            "KIPP_JAX_CPU_MATMUL", "KIPP_JAX_CPU_ATTENTION", "KIPP_JAX_CPU_STORED",
+            "KIPP_CPU_ISA", "KIPP_JAX_CPU_DOT", "KIPP_MLX_CPU_STREAMS", "JAX_PLATFORMS",
+            "XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
 GATE_BLOCKS = 16
 GATE_PROMPTS = gates.DEFAULT_PROMPTS  # the prompts of `kipp gates`
 SPEED_PROMPT = 128  # prefill tokens timed

@@ -2,6 +2,7 @@
 pasteable summary, writes valid JSON, and reports kernels that fell back as not healthy."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,15 @@ def test_doctor_reports_kernels_that_fell_back(artifacts, synthetic_dir, monkeyp
     assert all(g["passed"] for g in report["gates"]) and not report["healthy"]
     text = doctor.format_report(report)
     assert "FELL BACK" in text and "verdict: NOT healthy" in text
+
+
+def test_doctor_lists_every_switch_the_docs_name():
+    """docs/backends.md says `kipp doctor` lists the switches of its table that are set: each
+    variable named there is in doctor.SWITCHES."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    table = text[text.index("| variable | effect |"):].split("\n\n")[0]
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]+)[=`]", table))
+    assert {"KIPP_HOME", "KIPP_JAX_CPU_DOT", "KIPP_CPU_ISA"} <= named  # the table was read
+    assert named <= set(doctor.SWITCHES), named - set(doctor.SWITCHES)
