@@ -101,8 +101,9 @@ def _err(got, x, dense):
                                    (2, 24, 4160), (4, 50, 2080), (8, 45, 1056)])
 def test_kernel_matches_numpy_and_the_twin(scheme, m, n, k):
     """Row counts on every tile (1..8 rows decoded into registers, more through the scratch
-    in tiles of up to 6; BF16 up to 32 rows in register rounds of 8), W row counts leaving partial tiles and units (a long round's unit
-    is as many W rows as fill the scratch: 16 to 128 here), one to 130 blocks a row; a decode
+    in tiles of up to 6; BF16 up to 32 rows in register rounds of 8), W row counts leaving
+    partial tiles and units (a long round's unit is as many W rows as fill the scratch: 16 to
+    128 here), one to 130 blocks a row; a decode
     round's rows in spans of K (2 rows at 130 blocks, 4 at 65, 8 at 33: the last span one or
     two blocks); in the AMX build's BF16 dot, partial and odd tiles of 16 x rows and of 16 W
     rows."""

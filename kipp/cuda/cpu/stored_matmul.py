@@ -109,7 +109,11 @@ def dot_for(fmt: str, named: tuple[Dot, ...]) -> Dot:
 def dot_mode() -> str:
     """The dots $KIPP_JAX_CPU_DOT asks for, checked (`dots`), as a string: JaxBackend reads it
     at load and keys its programs by it."""
-    return "+".join(d.value for d in dots(os.environ.get(DOT_ENV, Dot.F32.value)))
+    return "+".join(d.value for d in dots(_asked()))
+
+
+def _asked() -> str:
+    return os.environ.get(DOT_ENV, Dot.F32.value)
 
 
 def available() -> tuple[bool, str]:
@@ -133,7 +137,6 @@ def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | str | None = None) ->
     if layer is None:
         planes, layer = [a[None] for a in planes], 0
     out = jax.ShapeDtypeStruct((x.shape[0], planes[0].shape[1]), jnp.float32)
-    named = dots(dot.value if isinstance(dot, Dot) else dot or dot_mode())
-    dot = dot_for(w.fmt, named)
+    dot = dot_for(w.fmt, dots(dot.value if isinstance(dot, Dot) else dot or _asked()))
     return jax.ffi.ffi_call(target(w.fmt, dot), out)(
         x.astype(jnp.float32), *planes, jnp.asarray(layer, jnp.int32).reshape(1))
