@@ -414,7 +414,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,8", help="--step-matmuls' row counts, e.g. 1,2,4,8")
     parser.add_argument("--step-attention", action="store_true",
                         help="ms of Kipp's CPU decode attention over one step's 28 layers, 1 and 8 "
-                        "sequences at 160 and 1,000 positions")
+                        "sequences at --contexts positions")
+    parser.add_argument("--contexts", default="160,1000",
+                        help="--step-attention's context lengths, e.g. 160,1000,4000")
     parser.add_argument("--compare", help="weight layouts to time side by side, e.g. f32,panels")
     parser.add_argument("--rounds", type=int, default=3, help="--compare's measured rounds")
     args = parser.parse_args(argv)
@@ -429,7 +431,7 @@ def main(argv=None) -> int:
         print(matvec())
         return 0
     if args.step_attention:
-        print(step_attention())
+        print(step_attention(contexts=tuple(int(c) for c in args.contexts.split(","))))
         return 0
     if args.step_matmuls:
         print(step_matmuls(m_values=tuple(int(m) for m in args.rows.split(","))))
