@@ -17,12 +17,13 @@
 // attention cost more than its matmuls. Here each unit of work, one sequence, one KV head and
 // up to 32 queries, widens the K and V rows its queries see, a chunk at a time, once for all
 // the query heads that share them: scores, then each query's softmax, then the weighted sum of
-// V rows. A decode round with enough sequences to fill the threads takes a sequence and 4 or 8
-// KV heads per unit instead (DecodeUnit), reading each position's heads as one span. Float32
-// throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even and odd vectors,
-// one 16-wide chain of both in AVX-512 builds) then a fixed pairwise sum, so a query's result
-// depends neither on the other queries and sequences in the round, nor on the unit, nor on the
-// thread split.
+// V rows. A decode round whose units can be a sequence and 4 or 8 KV heads, every thread
+// given its share, takes those instead (DecodeUnit), reading each position's heads as one span.
+// Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even and odd
+// vectors, one 16-wide chain of both in AVX-512 builds) then a fixed pairwise sum (in AVX-512
+// builds a prefill unit's four dots' sums at once, as vector adds of the same pairs), so a
+// query's result depends neither on the other queries and sequences in the round, nor on the
+// unit, nor on the thread split.
 #include <string>
 #include <vector>
 
@@ -45,11 +46,14 @@ constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a 
 constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
 constexpr int64_t kAhead = 16;      // rows prefetched ahead of the one being widened
 constexpr int64_t kGroupRows = 4;   // positions a decode unit widens at a time (16 KB of float32)
-constexpr int64_t kUnitsPerThread = 2;  // a decode round's units per thread, at least
-// The fewest KV heads a decode unit reads a position's span of (DecodeUnit); a round with too
-// few sequences to fill the threads that way (one sequence on two threads: 2 heads, 512 bytes
-// every 2 KB) runs Unit's one head per unit, whose chunk-at-a-time widening reads such short
-// strided spans faster.
+// A decode round's units per thread where they cannot split evenly over the threads (3
+// sequences on 2 threads: 6 units, not 3), at least.
+constexpr int64_t kUnitsPerThread = 2;
+// The fewest KV heads a decode unit reads a position's span of (DecodeUnit); a round whose
+// units would be narrower (one sequence on four threads: 2 heads, 512 bytes every 2 KB) runs
+// Unit's one head per unit, whose chunk-at-a-time widening reads such short strided spans
+// faster. One sequence on two threads takes two units of 4 heads, 1 KB of every 2 KB, which
+// streamed faster than Unit's eight of one head.
 constexpr int64_t kSpanHeads = 4;
 constexpr int64_t kRowBytes = kHeadDim * sizeof(uint16_t);
 
@@ -69,6 +73,55 @@ inline v8 Widen(const uint16_t* p) {
 inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
+
+#if defined(__AVX512F__)
+inline __m512 Widen16(const uint16_t* p) {  // sixteen at once, the same bits
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The sum of a dot's two chains held in one 16-lane vector (the even vectors' chain in the low 8
+// lanes, the odd ones' in the high 8: the same FMAs): Sum(even + odd).
+inline float BothSum(__m512 both) {
+  const v8 even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
+  const v8 odd = reinterpret_cast<v8>(
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1)));
+  return Sum(even + odd);
+}
+
+// A query's dot with one widened row: both chains in one 16-lane one (the AVX-512 builds').
+inline float Dot16(const __m512 (&qv)[kVectors / 2], const float* key) {
+  __m512 both = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kVectors / 2; ++j) {
+    both = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), both);
+  }
+  return BothSum(both);
+}
+
+// Dot16 of a query with rows key, key + stride, ..., 4 of them, times `scale`, into out[0..3]:
+// the four chains side by side, and their sums as one tree of vector adds of Sum's pairs
+// (hadd's lanes: e0 + e1 and e2 + e3 of each even + odd e, then those two's sum, per 128-bit
+// half; the halves' sum is Sum's last add).
+inline void Dot16x4(const __m512 (&qv)[kVectors / 2], const float* key, int64_t stride,
+                    float scale, float* out) {
+  __m512 both[4];
+  for (int i = 0; i < 4; ++i) both[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kVectors / 2; ++j) {
+    for (int i = 0; i < 4; ++i) {
+      both[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + i * stride + 16 * j), both[i]);
+    }
+  }
+  __m256 e[4];
+  for (int i = 0; i < 4; ++i) {
+    e[i] = _mm256_add_ps(_mm512_castps512_ps256(both[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both[i]), 1)));
+  }
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+}
+
+#endif
 
 // scores[0, n) -> their softmax, in place: one code for every unit, so the same bits. The sum
 // runs in 16 lanes (lane j: scores j, j + 16, ...), then a fixed tree, not one chain of adds.
@@ -125,8 +178,12 @@ struct Problem {
         for (int64_t line = 0; line < kRowBytes; line += 64) __builtin_prefetch(ahead + line, 0, 2);
       }
       const uint16_t* row = Row(slab, s, p, g);
-      for (int64_t j = 0; j < kVectors; ++j) Store(into + (p - first) * kHeadDim + 8 * j,
-                                                   Widen(row + 8 * j));
+      float* out = into + (p - first) * kHeadDim;
+#if defined(__AVX512F__)
+      for (int64_t j = 0; j < kHeadDim; j += 16) _mm512_storeu_ps(out + j, Widen16(row + j));
+#else
+      for (int64_t j = 0; j < kVectors; ++j) Store(out + 8 * j, Widen(row + 8 * j));
+#endif
     }
   }
 
@@ -154,9 +211,20 @@ struct Problem {
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t stop = std::min(end, reach[t]);
         for (int64_t h = 0; h < group && first < stop; ++h) {
+          float* out_scores = scores.data() + (t * group + h) * longest;
+#if defined(__AVX512F__)
+          __m512 qv[kVectors / 2];
+          for (int64_t j = 0; j < kVectors / 2; ++j) qv[j] = _mm512_loadu_ps(query(t, h) + 16 * j);
+          int64_t p = first;
+          for (; p + 4 <= stop; p += 4) {
+            Dot16x4(qv, rows_buffer + (p - first) * kHeadDim, kHeadDim, scale, out_scores + p);
+          }
+          for (; p < stop; ++p) {
+            out_scores[p] = Dot16(qv, rows_buffer + (p - first) * kHeadDim) * scale;
+          }
+#else
           v8 qv[kVectors];
           for (int64_t j = 0; j < kVectors; ++j) qv[j] = Load(query(t, h) + 8 * j);
-          float* out_scores = scores.data() + (t * group + h) * longest;
           for (int64_t p = first; p < stop; ++p) {
             const float* key = rows_buffer + (p - first) * kHeadDim;
             v8 even = v8{}, odd = v8{};
@@ -166,6 +234,7 @@ struct Problem {
             }
             out_scores[p] = Sum(even + odd) * scale;
           }
+#endif
         }
       }
     }
@@ -181,15 +250,29 @@ struct Problem {
         const int64_t stop = std::min(end, reach[t]);
         for (int64_t h = 0; h < group && first < stop; ++h) {
           v8* a = acc.data() + (t * group + h) * kVectors;
+          const float* weights = scores.data() + (t * group + h) * longest;
+#if defined(__AVX512F__)  // two of the 8-lane sums per instruction, each lane's FMAs the same
+          float* af = reinterpret_cast<float*>(a);
+          __m512 sum[kVectors / 2];
+          for (int64_t j = 0; j < kVectors / 2; ++j) sum[j] = _mm512_loadu_ps(af + 16 * j);
+          for (int64_t p = first; p < stop; ++p) {
+            const __m512 w = _mm512_set1_ps(weights[p]);
+            const float* value = rows_buffer + (p - first) * kHeadDim;
+            for (int64_t j = 0; j < kVectors / 2; ++j) {
+              sum[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * j), sum[j]);
+            }
+          }
+          for (int64_t j = 0; j < kVectors / 2; ++j) _mm512_storeu_ps(af + 16 * j, sum[j]);
+#else
           v8 sum[kVectors];
           for (int64_t j = 0; j < kVectors; ++j) sum[j] = a[j];
-          const float* weights = scores.data() + (t * group + h) * longest;
           for (int64_t p = first; p < stop; ++p) {
             const v8 w = Broadcast(weights[p]);
             const float* value = rows_buffer + (p - first) * kHeadDim;
             for (int64_t j = 0; j < kVectors; ++j) sum[j] = Fma(w, Load(value + 8 * j), sum[j]);
           }
           for (int64_t j = 0; j < kVectors; ++j) a[j] = sum[j];
+#endif
         }
       }
     }
@@ -225,10 +308,7 @@ struct Problem {
       }
       const uint16_t* bits = Row(slab, s, p, g0);
 #if defined(__AVX512F__)
-      for (int64_t j = 0; j < width; j += 16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
-        _mm512_storeu_si512(row + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
+      for (int64_t j = 0; j < width; j += 16) _mm512_storeu_ps(row + j, Widen16(bits + j));
 #else
       for (int64_t j = 0; j < width / 8; ++j) Store(row + 8 * j, Widen(bits + 8 * j));
 #endif
@@ -327,8 +407,11 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, ffi::Span<const int64_t>
                   out->typed_data(), queries, heads, heads / kKvHeads, kd[1], td[1],
                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(kHeadDim)))};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t pieces = 1;  // a decode round's units per sequence: enough to keep every thread busy
-  while (pieces < kKvHeads && sequences * pieces < kUnitsPerThread * threads) pieces *= 2;
+  int64_t pieces = 1;  // a decode round's units per sequence
+  auto balanced = [threads](int64_t units) {  // every thread a unit, and as many where it can
+    return units >= threads && (units % threads == 0 || units >= kUnitsPerThread * threads);
+  };
+  while (pieces < kKvHeads && !balanced(sequences * pieces)) pieces *= 2;
   const int64_t count = kKvHeads / pieces;
   if (queries == 1 && count >= kSpanHeads) {  // a decode round of units of a sequence's KV heads
     kipp::ParallelFor(pool, sequences * pieces, 1, [&problem, pieces, count](int64_t u) {
