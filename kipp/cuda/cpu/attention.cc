@@ -18,7 +18,7 @@
 // up to 32 queries, widens the K and V rows its queries see, a chunk at a time, once for all
 // the query heads that share them: scores, then each query's softmax, then the weighted sum of
 // V rows. A decode round whose units can be a sequence and 4 or 8 KV heads, every thread
-// given its share, takes those instead (DecodeUnit), reading each position's heads as one span.
+// given one, takes those instead (DecodeUnit), reading each position's heads as one span.
 // Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even and odd
 // vectors, one 16-wide chain of both in AVX-512 builds) then a fixed pairwise sum (in AVX-512
 // builds a prefill unit's four dots' sums at once, as vector adds of the same pairs), so a
@@ -46,14 +46,13 @@ constexpr int64_t kQueryTile = 32;  // queries of one sequence a unit serves (a 
 constexpr int64_t kChunk = 64;      // K or V rows widened at a time (32 KB of float32)
 constexpr int64_t kAhead = 16;      // rows prefetched ahead of the one being widened
 constexpr int64_t kGroupRows = 4;   // positions a decode unit widens at a time (16 KB of float32)
-// A decode round's units per thread where they cannot split evenly over the threads (3
-// sequences on 2 threads: 6 units, not 3), at least.
-constexpr int64_t kUnitsPerThread = 2;
+constexpr int64_t kUnitsPerThread = 2;  // a decode round's units per thread, at least
 // The fewest KV heads a decode unit reads a position's span of (DecodeUnit); a round whose
 // units would be narrower (one sequence on four threads: 2 heads, 512 bytes every 2 KB) runs
 // Unit's one head per unit, whose chunk-at-a-time widening reads such short strided spans
-// faster. One sequence on two threads takes two units of 4 heads, 1 KB of every 2 KB, which
-// streamed faster than Unit's eight of one head.
+// faster. Where every thread still gets a unit of kSpanHeads, the round takes those instead
+// (one sequence on two threads: two units of 4 heads, 1 KB of every 2 KB), which streamed faster
+// than Unit's one head per unit.
 constexpr int64_t kSpanHeads = 4;
 constexpr int64_t kRowBytes = kHeadDim * sizeof(uint16_t);
 
@@ -407,11 +406,12 @@ ffi::Error Run(ffi::ThreadPool& pool, const char* name, ffi::Span<const int64_t>
                   out->typed_data(), queries, heads, heads / kKvHeads, kd[1], td[1],
                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(kHeadDim)))};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t pieces = 1;  // a decode round's units per sequence
-  auto balanced = [threads](int64_t units) {  // every thread a unit, and as many where it can
-    return units >= threads && (units % threads == 0 || units >= kUnitsPerThread * threads);
-  };
-  while (pieces < kKvHeads && !balanced(sequences * pieces)) pieces *= 2;
+  int64_t pieces = 1;  // a decode round's units per sequence: enough to keep every thread busy
+  while (pieces < kKvHeads && sequences * pieces < kUnitsPerThread * threads) pieces *= 2;
+  // but no narrower than kSpanHeads where every thread still gets a unit
+  while (pieces > 1 && kKvHeads / pieces < kSpanHeads && sequences * pieces / 2 >= threads) {
+    pieces /= 2;
+  }
   const int64_t count = kKvHeads / pieces;
   if (queries == 1 && count >= kSpanHeads) {  // a decode round of units of a sequence's KV heads
     kipp::ParallelFor(pool, sequences * pieces, 1, [&problem, pieces, count](int64_t u) {
