@@ -79,13 +79,11 @@ inline __m512 Widen16(const uint16_t* p) {  // sixteen at once, the same bits
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// The sum of a dot's two chains held in one 16-lane vector (the even vectors' chain in the low 8
-// lanes, the odd ones' in the high 8: the same FMAs): Sum(even + odd).
-inline float BothSum(__m512 both) {
-  const v8 even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
-  const v8 odd = reinterpret_cast<v8>(
-      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1)));
-  return Sum(even + odd);
+// even + odd of a dot's two chains held in one 16-lane vector (the even vectors' chain in the
+// low 8 lanes, the odd ones' in the high 8: the same FMAs); Sum of it is the dot.
+inline __m256 EvenPlusOdd(__m512 both) {
+  return _mm256_add_ps(_mm512_castps512_ps256(both),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1)));
 }
 
 // A query's dot with one widened row: both chains in one 16-lane one (the AVX-512 builds').
@@ -94,7 +92,7 @@ inline float Dot16(const __m512 (&qv)[kVectors / 2], const float* key) {
   for (int64_t j = 0; j < kVectors / 2; ++j) {
     both = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), both);
   }
-  return BothSum(both);
+  return Sum(reinterpret_cast<v8>(EvenPlusOdd(both)));
 }
 
 // Dot16 of a query with rows key, key + stride, ..., 4 of them, times `scale`, into out[0..3]:
@@ -111,10 +109,7 @@ inline void Dot16x4(const __m512 (&qv)[kVectors / 2], const float* key, int64_t 
     }
   }
   __m256 e[4];
-  for (int i = 0; i < 4; ++i) {
-    e[i] = _mm256_add_ps(_mm512_castps512_ps256(both[i]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both[i]), 1)));
-  }
+  for (int i = 0; i < 4; ++i) e[i] = EvenPlusOdd(both[i]);
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
   const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));

@@ -113,6 +113,7 @@ def dot_mode() -> str:
 
 
 def _asked() -> str:
+    """$KIPP_JAX_CPU_DOT as set, unchecked (float32 when unset)."""
     return os.environ.get(DOT_ENV, Dot.F32.value)
 
 
