@@ -285,6 +285,7 @@ def cmd_engine(args, argv) -> int:
         ttft_tokens=args.ttft_tokens, reuse_tokens=args.reuse_tokens,
         threads=_threads(args.threads),
         expect_path=tuple(_list(args.expect_path)) if args.expect_path else None,
+        cpu_dot=args.cpu_dot or None,
         kipp_source=Path(args.kipp_source) if args.kipp_source else None,
         results=Path(args.results), logs=Path(args.logs), command=_command(argv))
     paths = engine_bench.run(config)
@@ -430,6 +431,9 @@ def _add_engine_command(sub) -> None:
                    "path's (jax on a machine without a GPU: twin)")
     p.add_argument("--kipp-source", default=None, metavar="DIR",
                    help="run the server and worker on this checkout's kipp package (before)")
+    p.add_argument("--cpu-dot", default="", help="the stored CPU matmul's dot for the server "
+                   "and worker: f32, int8, bf16 or int8+bf16 ($KIPP_JAX_CPU_DOT; default: as "
+                   "the environment sets it)")
     p.add_argument("--logs", default="/tmp/kipp-bench-logs")
 
 

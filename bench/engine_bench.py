@@ -68,6 +68,7 @@ class EngineBenchConfig:
     reuse_tokens: int = 8
     threads: int = 2
     expect_path: tuple[str, ...] | None = None
+    cpu_dot: str | None = None  # $KIPP_JAX_CPU_DOT for the server and worker (default: as set)
     kipp_source: Path | None = None
     artifact: str | None = None  # default: the registry's artifact for (checkpoint, scheme)
     results: Path = records.RESULTS
@@ -131,10 +132,16 @@ def start(config: EngineBenchConfig, under: Under) -> tuple[RunningServer, ArmPr
                        scheme=config.scheme, kv_tokens=max(8192, 2 * config.context),
                        max_batch=config.clients, expect_path=expect)
     spec.env.update(under.env)
+    options = {}
+    if config.cpu_dot:  # the server's process and the worker's load both take it
+        from kipp.cuda.cpu.stored_matmul import DOT_ENV, dots
+
+        dots(config.cpu_dot)  # a value it does not know fails here, before any process starts
+        spec.env[DOT_ENV] = options["cpu_dot"] = config.cpu_dot
     server = RunningServer(spec, config.logs / "engine-bench-server.log", cwd=under.cwd)
     arm = ArmSpec("kipp", config.scheme, config.checkpoint, backend=config.backend,
                   artifact=artifact, threads=config.threads, context=2 * config.context,
-                  expect_path=expect)
+                  expect_path=expect, options=options)
     worker = ArmProcess(arm, _python(), config.logs / "engine-bench-worker.log", env=under.env,
                         cwd=under.cwd)
     try:

@@ -25,6 +25,7 @@ from bench.tables import (  # noqa: F401  (engine_section, server_lines: the tes
     arm_label,
     covering,
     engine_section,
+    engine_setup,
     grammar_lines,
     ratio_lines,
     render,
@@ -150,8 +151,9 @@ def _engine_summary(all_records: list[tuple[Path, dict]], refs: _Refs) -> list[s
         kipp = record.get("kipp") or {}
         value = (f"{sig(arm['summary']['median'])} ± {sig(arm['summary']['mad'], 2)}"
                  if arm["status"] == "ok" else arm["status"])
-        lines.append(f"| {title.split(': ', 1)[-1]} {refs.mark(path)} | {value} {w['unit']} | "
-                     f"{w.get('goal', '')} | `{(kipp.get('commit') or '?')[:10]}` |")
+        lines.append(f"| {title.split(': ', 1)[-1]} ({engine_setup(arm)}) {refs.mark(path)} | "
+                     f"{value} {w['unit']} | {w.get('goal', '')} | "
+                     f"`{(kipp.get('commit') or '?')[:10]}` |")
     return lines if len(lines) > 2 else []
 
 

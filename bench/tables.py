@@ -333,7 +333,7 @@ def engine_section(all_records: list[tuple[Path, dict]],
         w = found[0][1]["workload"]
         out += ["", f"{w['description']}; goal {w['goal']} {w['unit']}. One row per record "
                     f"(`python -m bench engine`), newest first.", ""]
-        out += [f"| Kipp measured | {w['unit']} (median ± MAD) | "
+        out += [f"| Kipp measured (commit, scheme, dot) | {w['unit']} (median ± MAD) | "
                 + " | ".join(columns.values()) + " | load avg | record |",
                 "| --- " * (len(columns) + 4) + "|"]
         for path, record in found:
@@ -342,10 +342,22 @@ def engine_section(all_records: list[tuple[Path, dict]],
     return out
 
 
+def engine_setup(arm: dict) -> str:
+    """What a `bench engine` arm ran: its scheme, and the stored CPU matmul's dot where the
+    server's backend says it ran that matmul (records of any age: the backend's own words)."""
+    described = ((arm.get("info") or {}).get("server") or {}).get("describe") or ""
+    _, found, after = described.partition("Kipp CPU stored matmul")
+    if not found:
+        return arm["scheme"]
+    dot = after[2:].partition(" dot)")[0] if after.startswith(" (") else "f32"
+    return f"{arm['scheme']}, {dot} dot"
+
+
 def _engine_row(path: Path, record: dict, columns: dict) -> str:
     arm = record["arms"][0]
     kipp = record.get("kipp") or {}
-    who = f"`{(kipp.get('commit') or '?')[:10]}`{' (dirty)' if kipp.get('dirty') else ''}"
+    who = (f"`{(kipp.get('commit') or '?')[:10]}`{' (dirty)' if kipp.get('dirty') else ''}, "
+           f"{engine_setup(arm)}")
     if arm["status"] != "ok":
         return (f"| {who} | {arm['status']}: {_one_line(arm.get('reason', ''), 120)} | "
                 + " | ".join("–" for _ in columns) + f" | | `{path.name}` |")

@@ -566,3 +566,31 @@ def test_kipp_arms_per_cpu_dot_load_with_that_dot(artifacts, monkeypatch):
                    expect_path=("twin",))
     described = KippEngine(spec).load()["describe"]
     assert f"({dot} dot)" in described and os.environ[stored_matmul.DOT_ENV] == "f32"
+
+
+def test_engine_records_say_their_scheme_and_dot(artifacts, monkeypatch, tmp_path):
+    """`bench engine`'s rows name the scheme and, from the server backend's own description,
+    the stored CPU matmul's dot it ran (records made under $KIPP_JAX_CPU_DOT included); a
+    --cpu-dot value the backend does not know fails before any process starts."""
+    import kipp
+    from bench import engine_bench
+    from bench.tables import engine_setup
+    from kipp.cuda.cpu import stored_matmul
+
+    def arm(scheme, model):
+        return {"scheme": scheme, "info": {"server": {"describe": model.backend.describe()}}}
+
+    path = artifacts(TINY, "q8_0")
+    reference = kipp.load(path, backend="reference", kv_tokens=64, progress=False)
+    assert engine_setup(arm("q8_0", reference)) == "q8_0"
+    if not stored_matmul.available()[0]:
+        pytest.skip(stored_matmul.available()[1])
+    for dot in ("f32", "int8"):
+        monkeypatch.setenv(stored_matmul.DOT_ENV, dot)
+        model = kipp.load(path, backend="jax", kv_tokens=64, progress=False,
+                          weight_memory="stored")
+        assert engine_setup(arm("q8_0", model)) == f"q8_0, {dot} dot"
+    config = engine_bench.EngineBenchConfig(TINY, scheme="q8_0", artifact=str(path),
+                                            cpu_dot="int4", logs=tmp_path)
+    with pytest.raises(ValueError, match=stored_matmul.DOT_ENV):
+        engine_bench.start(config, engine_bench.Under(None))
