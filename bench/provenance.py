@@ -37,6 +37,9 @@ def package_versions(names=PACKAGES) -> dict[str, str]:
     return found
 
 
+RESULTS_DIR = "bench/results/"  # relative to the checkout, as git status names paths
+
+
 def git_state(repo: Path = REPO) -> dict:
     """Commit, branch and dirty state of the Kipp checkout (None fields outside a git tree)."""
     def git(*args) -> str | None:
@@ -49,8 +52,11 @@ def git_state(repo: Path = REPO) -> dict:
 
     status = git("status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in status.splitlines()] if status else []
+    # records and the report made from them are the bench's output, not the code it measured:
+    # a run beside an earlier run's new records measured the commit as it is
+    code = [path for path in changed if not path.startswith(RESULTS_DIR)]
     return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": bool(changed) if status is not None else None,
+            "dirty": bool(code) if status is not None else None,
             "changed_files": changed[:50], "changed_count": len(changed)}
 
 

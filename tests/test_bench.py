@@ -594,3 +594,26 @@ def test_engine_records_say_their_scheme_and_dot(artifacts, monkeypatch, tmp_pat
                                             cpu_dot="int4", logs=tmp_path)
     with pytest.raises(ValueError, match=stored_matmul.DOT_ENV):
         engine_bench.start(config, engine_bench.Under(None))
+
+
+def test_new_records_do_not_make_the_measured_checkout_dirty(tmp_path):
+    """A run beside an earlier run's new records (or a regenerated report) measured the commit
+    as it is; a changed or new file anywhere else is a dirty checkout."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kipp.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "report.md").write_text("old\n")
+    git("add", ".")
+    git("-c", "user.name=k", "-c", "user.email=k@k", "commit", "-q", "-m", "base")
+    assert provenance.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "bench" / "results" / "new-record.json").write_text("{}\n")
+    (tmp_path / "bench" / "results" / "report.md").write_text("new\n")
+    state = provenance.git_state(tmp_path)
+    assert state["dirty"] is False and state["changed_count"] == 2
+    (tmp_path / "kipp.py").write_text("x = 2\n")
+    assert provenance.git_state(tmp_path)["dirty"] is True
