@@ -278,6 +278,10 @@ def cmd_server(args, argv) -> int:
 def cmd_engine(args, argv) -> int:
     from bench import engine_bench
 
+    try:
+        engine_bench.cpu_dot_env(args.cpu_dot)
+    except ValueError as e:
+        raise SystemExit(f"bench engine --cpu-dot: {e}") from None
     config = engine_bench.EngineBenchConfig(
         checkpoint=args.checkpoint, scheme=args.scheme, backend=args.backend,
         rounds=args.rounds, warmup=args.warmup, decode_tokens=args.decode_tokens,

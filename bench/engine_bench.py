@@ -132,12 +132,8 @@ def start(config: EngineBenchConfig, under: Under) -> tuple[RunningServer, ArmPr
                        scheme=config.scheme, kv_tokens=max(8192, 2 * config.context),
                        max_batch=config.clients, expect_path=expect)
     spec.env.update(under.env)
-    options = {}
-    if config.cpu_dot:  # the server's process and the worker's load both take it
-        from kipp.cuda.cpu.stored_matmul import DOT_ENV, dots
-
-        dots(config.cpu_dot)  # a value it does not know fails here, before any process starts
-        spec.env[DOT_ENV] = options["cpu_dot"] = config.cpu_dot
+    spec.env.update(cpu_dot_env(config.cpu_dot))  # the worker's load sets it from its options
+    options = {"cpu_dot": config.cpu_dot} if config.cpu_dot else {}
     server = RunningServer(spec, config.logs / "engine-bench-server.log", cwd=under.cwd)
     arm = ArmSpec("kipp", config.scheme, config.checkpoint, backend=config.backend,
                   artifact=artifact, threads=config.threads, context=2 * config.context,
@@ -158,6 +154,17 @@ def start(config: EngineBenchConfig, under: Under) -> tuple[RunningServer, ArmPr
             "worker": loaded}
     log(f"engine bench: server and worker ready ({described})")
     return server, worker, info
+
+
+def cpu_dot_env(value: str | None) -> dict[str, str]:
+    """The environment that runs the stored CPU matmul's dot `value` ({} for None: as set);
+    a value it does not know raises ValueError naming the variable, before any process."""
+    if not value:
+        return {}
+    from kipp.cuda.cpu.stored_matmul import DOT_ENV, dots
+
+    dots(value)
+    return {DOT_ENV: value}
 
 
 def _python() -> str:

@@ -571,7 +571,8 @@ def test_kipp_arms_per_cpu_dot_load_with_that_dot(artifacts, monkeypatch):
 def test_engine_records_say_their_scheme_and_dot(artifacts, monkeypatch, tmp_path):
     """`bench engine`'s rows name the scheme and, from the server backend's own description,
     the stored CPU matmul's dot it ran (records made under $KIPP_JAX_CPU_DOT included); a
-    --cpu-dot value the backend does not know fails before any process starts."""
+    --cpu-dot value the backend does not know fails before any process starts, in one line
+    naming the flag from the command line."""
     import kipp
     from bench import engine_bench
     from bench.tables import engine_setup
@@ -594,6 +595,10 @@ def test_engine_records_say_their_scheme_and_dot(artifacts, monkeypatch, tmp_pat
                                             cpu_dot="int4", logs=tmp_path)
     with pytest.raises(ValueError, match=stored_matmul.DOT_ENV):
         engine_bench.start(config, engine_bench.Under(None))
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit, match=f"--cpu-dot: {stored_matmul.DOT_ENV}='int4'"):
+        main(["engine", "--checkpoint", TINY, "--cpu-dot", "int4"])
 
 
 def test_new_records_do_not_make_the_measured_checkout_dirty(tmp_path):
