@@ -46,6 +46,7 @@ from bench.process import ArmProcess, WorkerError
 from bench.server_client import PromptBook, aggregate_round, end_token_ids, stream_completion
 from bench.servers import RunningServer, kipp_server, log
 from bench.stats import summarize
+from bench.tables import engine_setup
 
 GOALS = {"server_overhead": (">=", 0.9), "batch_scaling": (">=", 5.0), "reuse_ttft": ("<=", 50)}
 STEP_METRICS = ("kipp_engine_steps_total", "kipp_engine_step_seconds_total",
@@ -447,7 +448,8 @@ def summary_lines(path: Path) -> list[str]:
             continue
         s = arm["summary"]
         parts = [f"{k} {v['median']:.4g} ± {v['mad']:.2g}" for k, v in arm["summaries"].items()]
-        lines.append(f"  {arm['arm']}: {s['median']:.4g} ± {s['mad']:.2g} {w['unit']} "
+        lines.append(f"  {arm['arm']} ({engine_setup(arm)}): {s['median']:.4g} ± "
+                     f"{s['mad']:.2g} {w['unit']} "
                      f"(n={s['n']}); " + ", ".join(parts))
     return lines
 

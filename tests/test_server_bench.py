@@ -137,6 +137,11 @@ def test_engine_bench_against_kipp_serve(artifacts, tmp_path):
     assert reuse["profile"]["evaluated_tokens"] == 1
     lines = report.engine_section(records.load_all(tmp_path / "results"))
     assert sum(line.startswith(f"| `{reuse_commit(paths)}") for line in lines) == 3
+    # the reference backend runs no stored CPU matmul: its rows name the scheme alone
+    assert sum(line.startswith(f"| `{reuse_commit(paths)}") and ", bf16 |" in line
+               for line in lines) == 3
+    assert all(engine_bench.summary_lines(path)[1].startswith(f"  kipp-reference/bf16 @")
+               and " (bf16): " in engine_bench.summary_lines(path)[1] for path in paths)
 
 
 def reuse_commit(paths) -> str:
