@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from bench.records import RESULTS
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Distribution names whose versions a record carries when they are installed.
@@ -37,7 +39,8 @@ def package_versions(names=PACKAGES) -> dict[str, str]:
     return found
 
 
-RESULTS_DIR = "bench/results/"  # relative to the checkout, as git status names paths
+# the records' folder as git status names paths (relative to the checkout)
+RESULTS_DIR = f"{RESULTS.relative_to(REPO).as_posix()}/"
 
 
 def git_state(repo: Path = REPO) -> dict:
