@@ -559,9 +559,10 @@ def test_kipp_arms_per_cpu_dot_load_with_that_dot(artifacts, monkeypatch):
                                          "kipp-jax/bf16 (stored weights, int8 dot)"]
     if not stored_matmul.available()[0]:
         pytest.skip(stored_matmul.available()[1])
-    dot = "bf16" if stored_matmul.bf16_dot_supported()[0] else "int8"
+    # a dot this CPU runs, on a scheme it meets (a BF16 artifact keeps float32 under int8)
+    scheme, dot = ("bf16", "bf16") if stored_matmul.bf16_dot_supported()[0] else ("q8_0", "int8")
     monkeypatch.setenv(stored_matmul.DOT_ENV, "f32")
-    spec = ArmSpec("kipp", "bf16", TINY, backend="jax", artifact=str(artifacts(TINY, "bf16")),
+    spec = ArmSpec("kipp", scheme, TINY, backend="jax", artifact=str(artifacts(TINY, scheme)),
                    context=64, options={"weight_memory": "stored", "cpu_dot": dot},
                    expect_path=("twin",))
     described = KippEngine(spec).load()["describe"]

@@ -62,7 +62,10 @@ class JaxBackend(Backend):
     def __init__(self, artifact: Artifact, num_blocks: int, *, path: str = "auto",
                  weight_memory: str = "auto", weight_layout: str | None = None, mesh=None,
                  device=None, max_round_tokens: int = MAX_ROUND_TOKENS,
-                 kv_scheme: str = "bf16", fallback: bool | None = None, link=None):
+                 kv_scheme: str = "bf16", fallback: bool | None = None, link=None,
+                 cpu_dot: str | None = None):
+        """`cpu_dot`: the dots of Kipp's stored CPU matmul (a $KIPP_JAX_CPU_DOT value, which
+        is the default; kipp.cuda.cpu.stored_matmul.dots)."""
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
@@ -100,7 +103,12 @@ class JaxBackend(Backend):
         # every context (rounds.fixed_table_width)
         self._table_width = (rounds.fixed_table_width(num_blocks) if self.cpu_attention
                              else None)
-        self._dot = cpu_stored.dot_mode()  # $KIPP_JAX_CPU_DOT at load: part of the program key
+        # $KIPP_JAX_CPU_DOT at load unless named: part of the program key
+        self._dot = cpu_stored.dot_mode(cpu_dot)
+        # the dots that meet this artifact's weights (its projections' scheme, the BF16 head):
+        # what describe() names and what picks the gates' bounds (kipp.gates.bounds)
+        self.cpu_dot = (cpu_stored.running(self._dot, (self.scheme.name, "bf16"))
+                        if self.plan.cpu_stored else cpu_stored.Dot.F32.value)
         self.stacked = self.stacked or self.pipelined  # the stages split the stacked layers
         self.compiler_options = dict(LEAN_CPU_COMPILE) if self.plan.lean_compile else {}
         self.fallback = probe.fallback_enabled(fallback)
@@ -182,8 +190,8 @@ class JaxBackend(Backend):
                    else f"{self.layout} weights")
         if self.plan.cpu_stored:
             weights += ", Kipp CPU stored matmul"
-            if self._dot != cpu_stored.Dot.F32.value:
-                weights += f" ({self._dot} dot)"
+            if self.cpu_dot != cpu_stored.Dot.F32.value:
+                weights += f" ({self.cpu_dot} dot)"
         if self.cpu_attention:
             weights += ", Kipp CPU attention"
         return (f"jax ({self.choice.label} on {where}: {self.choice.reason}; "

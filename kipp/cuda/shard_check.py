@@ -25,6 +25,10 @@ from kipp.cuda.backend import JaxBackend
 from kipp.cuda.sharding import make_mesh, make_pipeline_mesh
 from kipp.formats.artifact import open_artifact
 
+# A mesh multiplies with XLA's float32 dots; the one-device run it is held to keeps that dot,
+# not the int8 one Kipp's stored CPU matmul runs by default for a quantized artifact.
+ORACLE_DOT = "f32"
+
 
 def compare_with_single_device(artifact_path, devices: int = 2, weight_layout: str = "auto",
                                prompt_len: int = 40, decode_steps: int = 3) -> dict:
@@ -35,7 +39,7 @@ def compare_with_single_device(artifact_path, devices: int = 2, weight_layout: s
     """
     artifact = open_artifact(artifact_path)
     single = JaxBackend(artifact, 8, path="twins", weight_layout=weight_layout,
-                        device=jax.devices()[0])
+                        device=jax.devices()[0], cpu_dot=ORACLE_DOT)
     sharded = JaxBackend(artifact, 8, path="twins", weight_layout=weight_layout,
                          mesh=make_mesh(devices))
     q = sharded.params["layers"][0]["q"].w
@@ -84,7 +88,7 @@ def dump(args) -> int:
     artifact = open_artifact(args.artifact)
     if link is None and args.devices == 1:
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,
-                             device=jax.devices()[0])
+                             device=jax.devices()[0], cpu_dot=ORACLE_DOT)
     else:
         mesh = make_pipeline_mesh(tensor=args.tensor) if args.pipeline else make_mesh()
         backend = JaxBackend(artifact, 8, path="twins", weight_layout=args.layout,

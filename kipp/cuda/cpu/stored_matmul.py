@@ -9,9 +9,10 @@ C++) decodes the weights exactly as kipp.formats.quant.dequantize does,
 into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
 multiplies every row of x against them: each stored byte is read once per call, however many
 rows; a long round runs about as fast as the float32 panels, so weight_memory "auto" keeps the
-stored format where this kernel runs (kipp.memory). The activation stays float32, so the only error
-against the float64 oracle is float32 summation (tests/test_cpu_stored_matmul.py), and a row's
-result is bitwise the same alone or batched. `available()` says why when it cannot be built;
+stored format where this kernel runs (kipp.memory). Under the float32 dot (the default) the
+activation stays float32, so the only error against the float64 oracle is float32 summation
+(tests/test_cpu_stored_matmul.py); under every dot a row's result is bitwise the same alone or
+batched. `available()` says why when it cannot be built;
 KIPP_JAX_CPU_STORED=0 turns it off. Twin: kipp.cuda.pallas.quant_matmul.quant_matmul_reference.
 
 On a CPU with AMX tiles the BF16 dot runs on the tile unit (stored_amx.h): x as three bf16 parts
@@ -21,16 +22,17 @@ same bound against float64.
 
 Dot.INT8 (KIPP_JAX_CPU_DOT=int8, opt-in) rounds each row of x to int8 per 32-block (llama.cpp's
 q8_0 activation) and runs the quantized formats as integer dots (AVX-512 VNNI where present,
-AVX2's vpmaddubsw where that is the widest; stored_int8.h): each block's whole integer sum, then
-one float32 multiply-add per block, so a round of several rows or a prompt runs about twice
-the float32 dot's rate; each row still bitwise the same alone or batched, but the rounding
-moves the logits outside the JAX backend's calibrated bounds (docs/backends.md).
+AVX2's vpmaddubsw where that is the widest; stored_int8.h): each block's whole integer sum,
+then one float32 multiply-add per block, so a round of several rows or a prompt runs about
+twice the float32 dot's rate. The rounding is an error the float32 dot does
+not make: a backend that runs it is gated against a reference that rounds x the same way, by
+bounds of its own (kipp.gates.bounds, "jax-int8"). BF16 weights keep the float32 dot.
 
 Dot.BF16 (KIPP_JAX_CPU_DOT=bf16, opt-in, a CPU with AVX-512 BF16) rounds each row of x to bf16
 for BF16 weights and runs vdpbf16ps over the weights in place: twice the multiply-adds per
 instruction, so a decode round of several rows costs about its weight stream and a prefill
-chunk runs faster; each row bitwise the same alone or batched, the rounding outside the
-calibrated bounds as the int8 dot's (docs/backends.md).
+chunk runs faster; each row bitwise the same alone or batched; no calibrated gate bounds
+(docs/backends.md).
 
 Dots join with "+" (KIPP_JAX_CPU_DOT=int8+bf16): each format runs the first that names it, so
 a quantized artifact's BF16 output head takes the BF16 dot while its layers take the int8 one.
@@ -65,6 +67,11 @@ class Dot(str, enum.Enum):
 
 INT8_FORMATS = ("q8_0", "scale4_gs32", "affine4_gs32")
 DOT_FORMATS = {Dot.F32: FORMATS, Dot.INT8: INT8_FORMATS, Dot.BF16: ("bf16",)}
+# Where $KIPP_JAX_CPU_DOT is unset. Not the int8 dot, though it is the quantized formats'
+# faster one: its rounding alone (the numpy reference rounding x the same way) takes every
+# designed prompt of the tiny synthetic checkpoints off their designed greedy rule
+# (tests/test_gates.py), so nothing here could show it leaves a model's function intact.
+DEFAULT_DOT = Dot.F32
 
 
 def target(fmt: str, dot: Dot) -> str:
@@ -106,15 +113,24 @@ def dot_for(fmt: str, named: tuple[Dot, ...]) -> Dot:
     return next((d for d in named if fmt in DOT_FORMATS[d]), Dot.F32)
 
 
-def dot_mode() -> str:
-    """The dots $KIPP_JAX_CPU_DOT asks for, checked (`dots`), as a string: JaxBackend reads it
-    at load and keys its programs by it."""
-    return "+".join(d.value for d in dots(_asked()))
+def running(mode: str, formats) -> str:
+    """The dots of `mode` (dot_mode's string) that some format of `formats` (the weights a
+    step multiplies) runs, in mode's order; "f32" where each keeps the float32 dot. What a
+    backend says it runs, and what picks its gate bounds."""
+    named = dots(mode)
+    used = {dot_for(fmt, named) for fmt in formats if fmt in FORMATS}
+    return "+".join(d.value for d in named if d in used and d is not Dot.F32) or Dot.F32.value
+
+
+def dot_mode(value: str | None = None) -> str:
+    """The dots `value` (default: $KIPP_JAX_CPU_DOT, else DEFAULT_DOT) asks for, checked
+    (`dots`), as a string: JaxBackend reads it at load and keys its programs by it."""
+    return "+".join(d.value for d in dots(value or _asked()))
 
 
 def _asked() -> str:
-    """$KIPP_JAX_CPU_DOT as set, unchecked (float32 when unset)."""
-    return os.environ.get(DOT_ENV, Dot.F32.value)
+    """$KIPP_JAX_CPU_DOT as set, unchecked (DEFAULT_DOT when unset)."""
+    return os.environ.get(DOT_ENV, DEFAULT_DOT.value)
 
 
 def available() -> tuple[bool, str]:
@@ -127,8 +143,8 @@ def matmul(x: jax.Array, w: Linear, layer=None, dot: Dot | str | None = None) ->
     (BF16 and fp16 as themselves or their uint16 bits: no conversion runs), or its planes
     stacked over layers `[L, ...]` and read at `layer` (the kernel indexes the stack: no
     copy). `dot` (a Dot, or a $KIPP_JAX_CPU_DOT value such as "int8+bf16"; default:
-    dot_mode()): Dot.INT8 quantizes x per block for the quantized formats, Dot.BF16 rounds it
-    to bf16 for BF16 weights."""
+    $KIPP_JAX_CPU_DOT, else DEFAULT_DOT): Dot.INT8 quantizes x per block for the quantized
+    formats, Dot.BF16 rounds it to bf16 for BF16 weights."""
     if w.fmt not in FORMATS:
         raise ValueError(f"Kipp's stored CPU matmul reads {', '.join(FORMATS)}, not {w.fmt!r}")
     ok, why = cpu_matmul.library()  # built and registered (the switch is the backend's choice)
