@@ -59,6 +59,13 @@ needs_kernel = pytest.mark.skipif(not stored_matmul.available()[0],
                                          f"{stored_matmul.available()[1]}")
 
 
+@pytest.fixture(autouse=True)
+def _float32_dot(monkeypatch):
+    """The float32 dot unless a test names another, whatever $KIPP_JAX_CPU_DOT the suite
+    runs under."""
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "f32")
+
+
 def _planes(raw: np.ndarray, scheme: str, cols: int) -> Linear:
     """The "device" layout's planes of quantized rows `raw` (quant.py's block layout)."""
     n = len(raw)
@@ -174,6 +181,24 @@ def _int8_rows(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * dx.astype(np.float64)).reshape(m, k)
 
 
+def test_the_reference_rounds_x_as_the_int8_dot():
+    """kipp.reference.ops.int8_rows (the gates' oracle for the int8 dot, float32) against
+    _int8_rows (float64 over the same rule): equal to float32 rounding of the products; a
+    block of zeros stays zeros and a NaN makes its block NaN."""
+    from kipp.reference import ops
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((7, 256)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
+    x[2, 32:64] = 0.0
+    got = ops.int8_rows(x)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, _int8_rows(x).astype(np.float32))
+    assert not got[2, 32:64].any()
+    x[4, 70] = np.nan
+    got = ops.int8_rows(x)
+    assert np.isnan(got[4, 64:96]).all() and np.isfinite(np.delete(got[4], range(64, 96))).all()
+
+
 def _int8(x, w, layer=None):
     return stored_matmul.matmul(x, w, layer, dot=stored_matmul.Dot.INT8)
 
@@ -216,12 +241,17 @@ def test_the_int8_dot_keeps_a_nan_or_inf_in_x(scheme):
 
 @needs_kernel
 def test_the_dot_switch(monkeypatch):
-    """KIPP_JAX_CPU_DOT picks the dot when a call is traced; bf16 keeps float32 under int8;
-    a value it does not know is an error naming the variable."""
+    """KIPP_JAX_CPU_DOT picks the dot when a call is traced, float32 where it is unset;
+    bf16 keeps float32 under int8; a value it does not know is an error naming the variable."""
     x, w, _ = _case(4, "bf16", 2, 24, 64)
     f32 = np.asarray(stored_matmul.matmul(x, w, dot=stored_matmul.Dot.F32))
     assert np.array_equal(np.asarray(_int8(x, w)), f32)
     xq, wq, _ = _case(4, "q8_0", 2, 24, 64)
+    monkeypatch.delenv(stored_matmul.DOT_ENV)
+    assert stored_matmul.dot_mode() == "f32"
+    assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)),
+                          np.asarray(stored_matmul.matmul(xq, wq, dot="f32")))
+    assert not np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)), np.asarray(_int8(xq, wq)))
     monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
     assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)), np.asarray(_int8(xq, wq)))
     monkeypatch.setenv(stored_matmul.DOT_ENV, "int4")
@@ -420,7 +450,9 @@ def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, mode):
     the dot does (_int8_rows for quantized weights, _bf16_rows for BF16 ones under the BF16
     dot) it passes INT8_BACKEND_BOUND or BF16_BACKEND_BOUND; against the plain
     reference it does not pass even the bound between backends (1e-4): the rounding itself is
-    what the synthetic model amplifies, which is why neither dot is the default."""
+    what the synthetic model amplifies, which is why the gates hold a backend on the int8 dot
+    to a reference that rounds (ReferenceBackend(int8_activations=True), checked here against
+    the patched one)."""
     from kipp import gates
     from kipp.cuda.backend import JaxBackend
     from kipp.formats.artifact import open_artifact
@@ -467,6 +499,12 @@ def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, mode):
     assert set(named) <= used  # each dot named met a weight (int8+bf16: the BF16 head)
     assert same.passed, same.detail
     assert not plain.passed
+    if mode == "int8":  # the reference's own rounding, unpatched: the gates' oracle
+        monkeypatch.setattr(ops, "linear", linear)
+        own = gates.gate_backends(ReferenceBackend(artifact, 12, int8_activations=True),
+                                  backend, tokens, table, logits_rows=30, decode_steps=4,
+                                  bound=INT8_BACKEND_BOUND)
+        assert own.passed, own.detail
 
 
 _SYMBOLS = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4", "affine4_gs32": "Affine4"}

@@ -64,6 +64,13 @@ def test_bounds_are_calibrated_per_backend():
     assert gates.bound_key(twins) == "jax" and gates.bound_key(kernels) == "jax-kernels"
     assert gates.calibrated_bound(kernels, "reference") == gates.BOUNDS["jax-kernels"]["reference"]
     assert gates.bound_key(SimpleNamespace(name="reference")) == "reference"
+    # the int8 dot of the stored CPU matmul has its own row and a rounding oracle; the opt-in
+    # BF16 dots (alone or with int8) are held to the float32 dot's row
+    for dot, key, rounds in (("int8", "jax-int8", True), ("f32", "jax", False),
+                             ("int8+bf16", "jax", True), ("bf16", "jax", False)):
+        backend = SimpleNamespace(name="jax", choice=SimpleNamespace(kernels=False), cpu_dot=dot)
+        assert gates.bound_key(backend) == key and gates.rounds_to_int8(backend) == rounds, dot
+    assert gates.calibrated_bound("jax-int8", "reference") < 1e-4
 
 
 @pytest.mark.slow  # CI's longest default checks
@@ -96,3 +103,47 @@ def test_kipp_gates_fail_on_a_perturbed_source(synthetic_dir, tmp_path, capsys, 
     code, out = _gates(capsys, TINY, backend, scheme, "--source", str(bad))
     print(out)
     assert code == 1, out
+
+
+def test_int8_activations_take_the_synthetic_circuits_off_their_design(artifacts):
+    """Why the stored CPU matmul's int8 dot is not the default (kipp.cuda.cpu.stored_matmul.
+    DEFAULT_DOT): the numpy reference rounding each quantized projection's input as that dot
+    does follows the designed greedy rule on none of the tiny checkpoint's designed prompts,
+    where the unrounded reference follows it on all."""
+    from kipp.model import load
+
+    model = load(artifacts(TINY, "q8_0"), backend="reference", kv_tokens=1024, progress=False)
+    assert gates.gate_designed(model).passed
+    model.backend.int8_activations = True
+    result = gates.gate_designed(model)
+    assert result.metric == len(gates.designed_prompts(model.entry)), result.detail
+
+
+def test_the_int8_dot_is_gated_against_a_reference_that_rounds(artifacts, monkeypatch):
+    """KIPP_JAX_CPU_DOT=int8 on a quantized artifact: the backend says it runs the int8 dot,
+    takes the "jax-int8" bounds, and gate_vs_reference's oracle rounds the same activations
+    and passes; planted, an oracle that does not round fails it (its first step already). On
+    a BF16 artifact the setting changes nothing."""
+    pytest.importorskip("jax")
+    from kipp.cuda.cpu import stored_matmul
+    from kipp.gates import consistency
+    from kipp.model import load
+
+    if not stored_matmul.available()[0]:
+        pytest.skip(stored_matmul.available()[1])
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
+    model = load(artifacts(TINY, "scale4_gs32"), backend="jax", kv_tokens=1024, progress=False,
+                 weight_memory="stored")
+    assert model.backend.cpu_dot == "int8" and "(int8 dot)" in model.backend.describe()
+    assert gates.bound_key(model.backend) == "jax-int8"
+    result = gates.gate_vs_reference(model)
+    assert result.passed and result.bound == gates.BOUNDS["jax-int8"]["reference"], result
+    monkeypatch.setattr(consistency, "rounds_to_int8", lambda backend: False)
+    unrounded = gates.gate_vs_reference(model)
+    assert not unrounded.passed and unrounded.metric > 10 * result.metric, unrounded
+    # a BF16 artifact under the same setting runs the float32 dot (the int8 dot meets no
+    # weight of it): it says so and keeps the float32 dot's bounds
+    bf16 = load(artifacts(TINY, "bf16"), backend="jax", kv_tokens=1024, progress=False,
+                weight_memory="stored")
+    assert bf16.backend.cpu_dot == "f32" and "dot)" not in bf16.backend.describe()
+    assert gates.bound_key(bf16.backend) == "jax"

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     for backend in gates.BOUNDS.values():  # measure, never stop at a bound
         for gate in backend:
             backend[gate] = float("inf")
-    worst: dict[str, dict[str, float]] = {b: {} for b in args.backends}
+    worst: dict[str, dict[str, float]] = {}  # by BOUNDS key
     for checkpoint in args.checkpoints:
         source = source_folder(checkpoint, progress=False)
         for scheme in args.schemes:
@@ -69,10 +69,11 @@ def main(argv=None) -> int:
                     tokens = [model.tokenizer.encode(p) for p in gates.DEFAULT_PROMPTS]
                     want = gates.transformers_logits(source, tokens, scheme)
                 row = measure(model, want)
+                key = gates.bound_key(model.backend)  # e.g. "jax-int8" under the int8 dot
                 cells = "  ".join(f"{k} {v:.2e}" for k, v in row.items())
-                print(f"{checkpoint:34} {scheme:13} {backend:10} {cells}", flush=True)
+                print(f"{checkpoint:34} {scheme:13} {key:10} {cells}", flush=True)
                 for k, v in row.items():
-                    worst[backend][k] = max(worst[backend].get(k, 0.0), v)
+                    worst.setdefault(key, {})[k] = max(worst.get(key, {}).get(k, 0.0), v)
                 del model
     print(f"\nworst per backend and gate -> bound (x{args.factor:g}, one significant digit up)")
     for backend, gates_worst in worst.items():

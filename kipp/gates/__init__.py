@@ -28,6 +28,7 @@ from kipp.gates.consistency import (
     gate_cached_decode,
     gate_scrambled_table,
     gate_vs_reference,
+    rounds_to_int8,
 )
 from kipp.gates.greedy import (
     DESIGNED_STEPS,
@@ -49,8 +50,8 @@ __all__ = [
     "all_position_logits", "argmax_check", "bound_key", "calibrated_bound", "compare",
     "designed_prompts", "format_table", "gate_backends", "gate_batched", "gate_cached_decode",
     "gate_designed", "gate_rows", "gate_scrambled_table", "gate_source", "gate_transformers",
-    "gate_vs_reference", "greedy_tokens", "nmse", "quality_report", "run_gates",
-    "transformers_logits", "transformers_model",
+    "gate_vs_reference", "greedy_tokens", "nmse", "quality_report", "rounds_to_int8",
+    "run_gates", "transformers_logits", "transformers_model",
 ]
 
 

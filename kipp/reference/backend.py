@@ -5,6 +5,10 @@ Per layer, in order: (1) RMSNorm; (2) Q, K, V projections; (3) per-head RMSNorm 
 residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the final RMSNorm and
 the output head (the embedding when tied) give 151,936 FP32 logits.
 
+With `int8_activations`, the input of every quantized projection is first rounded as the
+int8 dot of Kipp's stored CPU matmul rounds it (ops.int8_rows): the oracle for a JAX backend
+that runs that dot (kipp.gates.gate_vs_reference builds it so).
+
 K and V are rounded to BF16 when stored, exactly as the KV storage contract says (or, with
 kv_scheme="q8_0", quantized to Q8_0 head-rows by kipp.formats.kvquant and dequantized on read), and
 attention always reads them back from the slab, for prompt and decode tokens alike, so a
@@ -25,6 +29,7 @@ from kipp.backend import KV_BLOCK, Backend, EvalItem
 from kipp.errors import KippError
 from kipp.formats import kvquant
 from kipp.formats.artifact import Artifact, LayerWeights
+from kipp.formats.quant import GGML_BF16, GGML_F32
 from kipp.formats.registry import HEAD_DIM, KV_HEADS
 from kipp.lora import apply as lora
 from kipp.reference import ops
@@ -38,10 +43,12 @@ class ReferenceBackend(Backend):
     supports_adapters = True  # LoRA: kipp.lora.apply, row by row
 
     def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
-                 kv_scheme: str = "bf16"):
+                 kv_scheme: str = "bf16", int8_activations: bool = False):
         """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.formats.kvquant). `kv_dtype`
         float32 is a diagnostic only: with K/V unrounded the reference should match an FP32
-        oracle to rounding noise, which shows the BF16 KV is the only gap."""
+        oracle to rounding noise, which shows the BF16 KV is the only gap.
+        `int8_activations`: a quantized projection's input rounded per 32-block to int8 first
+        (module docstring); the output head, BF16, keeps float32 as that dot does."""
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
@@ -51,6 +58,7 @@ class ReferenceBackend(Backend):
         self.weights = artifact.weights
         self.scheme = artifact.scheme
         self.kv_scheme = kv_scheme
+        self.int8_activations = int8_activations
         slots = num_blocks * KV_BLOCK
         self.k_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
         self.v_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
@@ -63,7 +71,8 @@ class ReferenceBackend(Backend):
 
     def describe(self) -> str:
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
-        return f"reference (numpy, {self.scheme.name} weights{kv})"
+        x = ", int8 activations" if self.int8_activations else ""
+        return f"reference (numpy, {self.scheme.name} weights{x}{kv})"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -103,8 +112,10 @@ class ReferenceBackend(Backend):
         t = x.shape[0]
 
         def linear(x, name):  # W x, plus s * B (A x) on the rows of each adapter's items
-            return lora.add_low_rank(ops.linear(x, getattr(layer, name)), x, groups, index,
-                                     name)
+            w = getattr(layer, name)
+            rounded = self.int8_activations and w.ggml_type not in (GGML_BF16, GGML_F32)
+            return lora.add_low_rank(ops.linear(ops.int8_rows(x) if rounded else x, w), x,
+                                     groups, index, name)
 
         h = ops.rms_norm(x, norms["attn_norm"])                            # (1)
         q = linear(h, "q").reshape(t, -1, HEAD_DIM)                         # (2) [T, H, 128]

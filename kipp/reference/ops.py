@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from kipp.formats.artifact import Tensor
-from kipp.formats.quant import GGML_BF16, GGML_F32
+from kipp.formats.quant import BLOCK, GGML_BF16, GGML_F32
 from kipp.formats.registry import HEAD_DIM, RMS_NORM_EPS
 from kipp.rope import rope_tables  # noqa: F401  (step (4) calls ops.rope_tables)
 
@@ -45,6 +45,19 @@ def linear(x: np.ndarray, w: Tensor) -> np.ndarray:
         for i, row in enumerate(x):
             out[i, r0:r0 + chunk.shape[0]] = chunk @ row
     return out
+
+
+def int8_rows(x: np.ndarray) -> np.ndarray:
+    """x [M, K] as the int8 dot of Kipp's stored CPU matmul multiplies it, in float32: each
+    32-block scaled by dx = max |x| / 127, q = x / dx rounded half to even and clamped to +-127
+    (llama.cpp's q8_0 activation), then q * dx. A block of zeros stays zeros; a NaN or inf
+    makes its block NaN, as the kernel's whole row is."""
+    m, k = x.shape
+    blocks = np.asarray(x, np.float32).reshape(m, k // BLOCK, BLOCK)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dx = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+        q = np.clip(np.rint(np.where(dx != 0, blocks / dx, np.float32(0))), -127, 127)
+        return (q * dx).astype(np.float32).reshape(m, k)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
