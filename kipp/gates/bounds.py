@@ -50,11 +50,12 @@ BOUNDS["mlx-kernels"] = dict(BOUNDS["mlx"])
 # tensor cores, which the synthetic circuits amplify to at most 3.76e-4 (affine4_gs32,
 # qwen3-tiny-untied, a 20-token prefill and a decode step) -> 3e-3 (x 8.0).
 BOUNDS["jax-kernels"] = {**dict.fromkeys(GATES, 1e-4), "reference": 3e-3}
-# The JAX backend on the int8 dot of Kipp's stored CPU matmul (its default for a quantized
-# artifact on one CPU), measured by `tools/calibrate_gates.py --backends jax --schemes q8_0
-# affine4_gs32 scale4_gs32` over the three tiny checkpoints. Its "reference" gate's oracle rounds
-# the same activations (gate_vs_reference): against the plain reference the rounding itself,
-# amplified by the synthetic circuits on the gate's repeated prompt, measured up to 1.37.
+# The JAX backend on the opt-in int8 dot of Kipp's stored CPU matmul (a quantized artifact on
+# one CPU), measured by `KIPP_JAX_CPU_DOT=int8 PYTHONPATH=. python tools/calibrate_gates.py
+# --backends jax --schemes q8_0 affine4_gs32 scale4_gs32` over the three tiny checkpoints. Its
+# "reference" gate's oracle rounds the same activations (gate_vs_reference): against the plain
+# reference the rounding itself, amplified by the synthetic circuits on the gate's repeated
+# prompt, measured up to 1.37.
 # Worst rows: transformers on qwen3-tiny-untied q8_0, reference on qwen3-tiny-base
 # affine4_gs32, cached decode on qwen3-tiny-base q8_0 (a few roundings flip between the
 # prefill's and the decode's float32 orders), batched on qwen3-tiny-untied scale4_gs32.
@@ -69,9 +70,9 @@ BOUNDS["jax-int8"] = {
 def bound_key(backend) -> str:
     """BOUNDS' key for a Backend object: its name, with "-kernels" on the kernel path
     (Pallas, Metal), whose sums run in another order than the twins', and "-int8" where Kipp's
-    stored CPU matmul rounds the activations of a quantized artifact to int8 (its default dot;
-    kipp.cuda.cpu.stored_matmul). The opt-in BF16 dots have no bounds of their own: their
-    gates hold them to the float32 dot's."""
+    stored CPU matmul rounds the activations of a quantized artifact to int8 (the opt-in int8
+    dot, alone; kipp.cuda.cpu.stored_matmul). The opt-in BF16 dots, alone or with it, have no
+    bounds of their own: their gates hold them to the float32 dot's."""
     kernels = getattr(getattr(backend, "choice", None), "kernels", False)
     if kernels:
         return f"{backend.name}-kernels"
