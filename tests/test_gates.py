@@ -105,18 +105,48 @@ def test_kipp_gates_fail_on_a_perturbed_source(synthetic_dir, tmp_path, capsys, 
     assert code == 1, out
 
 
-def test_int8_activations_take_the_synthetic_circuits_off_their_design(artifacts):
+def test_int8_activations_take_the_synthetic_circuits_off_their_design(artifacts, monkeypatch):
     """Why the stored CPU matmul's int8 dot is not the default (kipp.cuda.cpu.stored_matmul.
     DEFAULT_DOT): the numpy reference rounding each quantized projection's input as that dot
     does follows the designed greedy rule on none of the tiny checkpoint's designed prompts,
-    where the unrounded reference follows it on all."""
+    where the unrounded reference follows it on all. The first layer's o_proj alone does it:
+    its input's SCALE - SELF difference, e^-10 of either, is the circuit's temperature
+    measurement (docs/backends.md); every other projection rounded keeps the rule."""
     from kipp.model import load
+    from kipp.reference import ops
 
     model = load(artifacts(TINY, "q8_0"), backend="reference", kv_tokens=1024, progress=False)
+    prompts = len(gates.designed_prompts(model.entry))
     assert gates.gate_designed(model).passed
     model.backend.int8_activations = True
     result = gates.gate_designed(model)
-    assert result.metric == len(gates.designed_prompts(model.entry)), result.detail
+    assert result.metric == prompts, result.detail
+
+    first_o = model.backend.weights.layers[0].o
+    plain_rows, plain_linear = ops.int8_rows, ops.linear
+    for rounds_first_o, off in [(False, 0), (True, prompts)]:
+        inputs = {}  # id of a rounded input -> (it, the input before rounding)
+        took_rounded = []  # the projections that multiplied a rounded input
+
+        def int8_rows(x):
+            y = plain_rows(x)
+            inputs[id(y)] = (y, x)
+            return y
+
+        def linear(x, w, keep=rounds_first_o):
+            if id(x) in inputs:
+                y, x = inputs.pop(id(x))
+                if (w is first_o) == keep:
+                    x = y
+                    took_rounded.append(w)
+            return plain_linear(x, w)
+
+        monkeypatch.setattr(ops, "int8_rows", int8_rows)
+        monkeypatch.setattr(ops, "linear", linear)
+        result = gates.gate_designed(model)
+        monkeypatch.undo()
+        assert took_rounded and any(w is first_o for w in took_rounded) == rounds_first_o
+        assert result.metric == off, (rounds_first_o, result.detail)
 
 
 def test_the_int8_dot_is_gated_against_a_reference_that_rounds(artifacts, monkeypatch):

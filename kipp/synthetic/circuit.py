@@ -9,6 +9,9 @@ the last layer fetches t_{p-2}'s code and its MLP writes the designed token (_la
 logits stay peaked, so rounding never flips an argmax, while a fault in attention, RoPE, the
 mask, the KV cache or its block table changes greedy output (tests/test_synthetic.py plants
 each). Random heads and units write only NOISE, so the random part still moves every logit.
+The temperature measurement is a difference of two heads' outputs in the first layer's o_proj,
+e^-10 of either: that projection's input needs float32, and a backend that rounds it (to int8
+or bf16 activations) loses the rule (docs/backends.md).
 Structured weights are quantization-friendly: each 32-weight block of a structured row holds
 one value or values of one magnitude; o_proj's SWITCH entries are +-15/16 (exact in Q4_0, Q4_1,
 and negated exactly in Q8_0).
