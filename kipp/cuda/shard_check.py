@@ -26,7 +26,7 @@ from kipp.cuda.sharding import make_mesh, make_pipeline_mesh
 from kipp.formats.artifact import open_artifact
 
 # A mesh multiplies with XLA's float32 dots; the one-device run it is held to keeps that dot,
-# not the int8 one Kipp's stored CPU matmul runs by default for a quantized artifact.
+# whatever $KIPP_JAX_CPU_DOT asks of Kipp's stored CPU matmul.
 ORACLE_DOT = "f32"
 
 

@@ -69,8 +69,8 @@ INT8_FORMATS = ("q8_0", "scale4_gs32", "affine4_gs32")
 DOT_FORMATS = {Dot.F32: FORMATS, Dot.INT8: INT8_FORMATS, Dot.BF16: ("bf16",)}
 # Where $KIPP_JAX_CPU_DOT is unset. Not the int8 dot, though it is the quantized formats'
 # faster one: its rounding alone (the numpy reference rounding x the same way) takes every
-# designed prompt of the tiny synthetic checkpoints off their designed greedy rule
-# (tests/test_gates.py), so nothing here could show it leaves a model's function intact.
+# designed prompt of the tiny synthetic checkpoints off their designed greedy rule (at the
+# first layer's o_proj; tests/test_gates.py), so the gates cannot tell it from a fault there.
 DEFAULT_DOT = Dot.F32
 
 
