@@ -72,8 +72,9 @@ def main(argv=None) -> int:
                 key = gates.bound_key(model.backend)  # e.g. "jax-int8" under the int8 dot
                 cells = "  ".join(f"{k} {v:.2e}" for k, v in row.items())
                 print(f"{checkpoint:34} {scheme:13} {key:10} {cells}", flush=True)
+                measured = worst.setdefault(key, {})
                 for k, v in row.items():
-                    worst.setdefault(key, {})[k] = max(worst.get(key, {}).get(k, 0.0), v)
+                    measured[k] = max(measured.get(k, 0.0), v)
                 del model
     print(f"\nworst per backend and gate -> bound (x{args.factor:g}, one significant digit up)")
     for backend, gates_worst in worst.items():
