@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kipp.errors import KippError
+from kipp.text import sampling
 from kipp.text.sampling import (
     VOCAB_SIZE,
     Sampler,
@@ -153,11 +154,16 @@ def test_top_p_over_a_spread_vocab_stays_inside_the_support():
     assert set(draws.tolist()) <= set(expected)
 
 
+@pytest.mark.parametrize("floors", ["candidates", "buckets"])
 @pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
-def test_top_p_mask_equals_a_full_sort(scale, top_p):
-    # The bucketed top_p must equal a plain sort exactly; rounding logits to 1/8 makes many
-    # exact ties, so the tie rule (lower id first) is exercised at the cut.
+def test_top_p_mask_equals_a_full_sort(scale, top_p, floors, monkeypatch):
+    # Both ways to the cut must equal a plain sort exactly: sorting the few weights above a
+    # floor (the peaked scales, 3 and 8) and the value buckets (the flat ones, and every scale
+    # with no floor). Rounding logits to 1/8 makes many exact ties, so the tie rule (lower id
+    # first) is exercised at the cut.
+    if floors == "buckets":
+        monkeypatch.setattr(sampling, "_TOP_P_FLOORS", ())
     x = np.round(spread_logits(11, scale) * 8) / 8
     w = np.exp(x - x.max()).astype(np.float32)
     n = w.size
@@ -167,6 +173,24 @@ def test_top_p_mask_equals_a_full_sort(scale, top_p):
     cdf = np.cumsum(w[order].astype(np.float64))
     cut = int(np.searchsorted(cdf, top_p * cdf[-1])) + 1
     assert np.array_equal(np.flatnonzero(keep), np.sort(order[:cut]))
+
+
+def test_top_p_cut_among_weights_tied_at_a_floor():
+    # The cut falls inside a run of weights exactly at the first floor: the tied ones at and
+    # above it are candidates, and the lower ids among them are kept.
+    floor = sampling._TOP_P_FLOORS[0]
+    rng = np.random.default_rng(13)
+    w = (rng.random(V) * floor / 4).astype(np.float32)  # far below every floor
+    ids = rng.choice(V, size=301, replace=False)
+    w[ids[0]] = 1.0
+    w[ids[1:]] = floor
+    w[ids[-1]] = 2 * floor  # one above the tie, whatever its id
+    n = w.size
+    target = (1.0 + 2 * floor + 150 * floor) / w.sum(dtype=np.float64)  # 150 of the tie
+    keep = _top_p_mask(w, target - 1e-9, np.empty(n), np.empty(n, dtype=np.intp),
+                       np.empty(n, dtype=bool))
+    tied = np.sort(ids[1:-1])
+    assert np.array_equal(np.flatnonzero(keep), np.sort(np.r_[ids[0], ids[-1], tied[:150]]))
 
 
 def penalty_case():
