@@ -175,6 +175,22 @@ def test_top_p_mask_equals_a_full_sort(scale, top_p, floors, monkeypatch):
     assert np.array_equal(np.flatnonzero(keep), np.sort(order[:cut]))
 
 
+@pytest.mark.parametrize("size", [V, 1000])
+def test_draw_from_a_distribution_keeps_its_support_and_probabilities(size):
+    # Sampler.draw (a draft's token, a verify's residual): whole blocks of zero weight, a lone
+    # id in the last, partial block (1000 is not a multiple of the draw's blocks), ids at both
+    # ends, three ids in one block; nothing of weight 0 is drawn and the draws fit the weights.
+    rng = np.random.default_rng(14)
+    ids = np.r_[0, 300, 301, 350, np.sort(rng.choice(np.arange(400, size - 1), 3,
+                                                       replace=False)), size - 1]
+    p = np.zeros(size)
+    p[ids] = rng.random(ids.size) + 0.5
+    p /= p.sum()
+    sampler = Sampler(SamplingParams(seed=15), vocab_size=size)
+    draws = np.array([sampler.draw(p) for _ in range(3000)])
+    assert_matches(draws, dict(zip(ids.tolist(), p[ids].tolist())))
+
+
 def test_top_p_cut_among_weights_tied_at_a_floor():
     # The cut falls inside a run of weights exactly at the first floor: the tied ones at and
     # above it are candidates, and the lower ids among them are kept.
