@@ -532,6 +532,59 @@ def test_the_gate_does_not_probe_where_a_batch_cannot_pay():
     assert alone[-1] == min(gate.sizes) and not any(alone[:-1])  # the probe goes ahead alone
 
 
+def test_a_batch_verifies_only_the_drafts_that_pay_for_its_rows():
+    """Each gate prices its draft as if the whole batch drafted alike; where a few choices
+    draft in a batch of eight, all eight wait for their rows and only they gain. Rows nearly
+    free (a 16-row round 1.1 of an 8-row one) and a draft token 0.1 of a step: eight choices
+    at 60% acceptance pay for a one-token draft each (8 + 8 x 0.6 tokens for 1.2 rounds),
+    one alone does not (8.6 for 1.2), nor does it beside seven that accept nothing; five of
+    the eight at 60% pay, and the seven at 0% beside them are cut."""
+    from kipp.engine.spec import AdaptiveGate, paying_drafts
+
+    def gate(acceptance):
+        return AdaptiveGate(row_costs=((8, 2.0), (16, 2.2)), draft_cost=0.1,
+                            successes=acceptance, trials=1.0)
+
+    good, bad = gate(0.6), gate(0.0)
+    assert good.expected_gain(1, batch=8) > 1.0  # each gate alone proposes its draft
+    assert paying_drafts([(good, 1)] * 8, 8) == 8
+    assert paying_drafts([(good, 1)], 8) == 0
+    assert paying_drafts([(good, 1)] + [(bad, 1)] * 7, 8) == 0
+    assert paying_drafts([(good, 1)] * 5 + [(bad, 1)] * 3, 8) == 5
+    assert paying_drafts([(good, 1)], 1) == 1  # alone, the gate's own price
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "model"])
+def test_a_step_whose_drafts_do_not_pay_verifies_none(models, monkeypatch, drafter):
+    """Where paying_drafts keeps none of a step's proposed drafts (prompt lookup's, already
+    drafted, or the draft model's, not yet), every choice steps plainly; where it keeps them
+    all, they verify. Greedy output is plain greedy's either way."""
+    from kipp.engine import scheduler as scheduler_module
+    from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter
+
+    target, base = models(TINY), models(BASE)
+    free = SpecConfig(  # every gate proposes a draft: its verify priced as one step
+        drafter=PromptLookupDrafter if drafter == "lookup" else None,
+        gate=lambda: AdaptiveGate(verify_base=1.0, verify_per_token=0.0),
+        draft_model=base if drafter == "model" else None)
+    text = target.tokenizer.encode("The cat sat on the mat. " * 3)
+    prompts = [text[i:] for i in range(4)]
+    plains = [_run(target, p, 10, temperature=0)[1].tokens for p in prompts]
+    for kept, verifies in ((lambda proposals, batch: 0, False),
+                           (lambda proposals, batch: len(proposals), True)):
+        monkeypatch.setattr(scheduler_module, "paying_drafts", kept)
+        scheduler = Scheduler(target, max_batch=8, speculative=free)
+        tickets = [scheduler.submit(Request(tuple(p), 10, sampling=SamplingParams(temperature=0)))
+                   for p in prompts]
+        scheduler.run_until_idle()
+        for ticket, want in zip(tickets, plains):
+            events = list(ticket)
+            assert [t for e in events if isinstance(e, Delta) for t in e.tokens] == want
+            assert (events[-1].spec.verify_evals > 0) == verifies
+    target.pool.check()
+    base.pool.check()
+
+
 @pytest.mark.parametrize("fields", ["lookup", "model"])
 @pytest.mark.parametrize("steps, bound", [(64, 0.07), (1000, 0.04)])
 def test_probes_cost_a_stream_that_never_accepts_a_few_percent(steps, bound, fields):

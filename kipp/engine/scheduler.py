@@ -53,7 +53,7 @@ from kipp.engine.requests import (  # noqa: F401  (the engine's request API, re-
     collect,
 )
 from kipp.engine.session import Session
-from kipp.engine.spec import EvalClock, compile_count
+from kipp.engine.spec import EvalClock, compile_count, paying_drafts
 from kipp.errors import KippError
 from kipp.text.grammar import GrammarError, Matcher, grammar_tokenizer, masks_ahead, prefetch
 from kipp.text.reasoning import ThinkTokens, think_tokens
@@ -365,6 +365,8 @@ class Scheduler:
         running = [c for r in self._running for c in r.live if c.state is ChoiceState.RUNNING]
         drafting = [(c, start) for c in running
                     if (start := c.start_draft(len(running))) is not None]
+        if len(running) > 1:
+            drafting = self._paying(running, drafting)
         ordinary = True
         if drafting:  # draft models draft in lockstep: one draft eval per position
             ordinary = draft_many([c.model_drafter for c, _ in drafting],
@@ -372,6 +374,24 @@ class Scheduler:
             for c, _ in drafting:
                 c.finish_draft()
         return [(c, c.next_tokens(self.prefill_chunk)) for c in running], ordinary
+
+    @staticmethod
+    def _paying(running: list[Choice], drafting: list[tuple]) -> list[tuple]:
+        """The drafts of a step that pay for the rows every choice waits on (paying_drafts):
+        the others' choices step plainly. `drafting`: the draft model's starts; a prompt
+        lookup's draft is already in its choice's `draft`."""
+        starts = {id(c): start for c, start in drafting}
+        proposed = [(c, len(c.draft) or starts[id(c)][1]) for c in running
+                    if c.draft or id(c) in starts]
+        if not proposed:
+            return drafting
+        proposed.sort(key=lambda ck: ck[0].gate.expected_tokens(ck[1]), reverse=True)
+        kept = {id(c) for c, _ in
+                proposed[:paying_drafts([(c.gate, k) for c, k in proposed], len(running))]}
+        for c, _ in proposed:
+            if id(c) not in kept:
+                c.draft, c.draft_source = [], ""
+        return [(c, start) for c, start in drafting if id(c) in kept]
 
     def _evaluate(self, batch: list[tuple[Choice, list[int]]]) -> list[np.ndarray]:
         """Logits for every (choice, tokens) of a step: one backend call for the batch, plus

@@ -79,8 +79,9 @@ def compile_count(model) -> int:
 
 @dataclass
 class EvalClock:
-    """What decode rounds cost on this machine now: per row count (bucket_size: compiled rounds' sizes), a decaying
-    average of the seconds the scheduler timed a round, from planning it to applying its rows,
+    """What decode rounds cost on this machine now: per row count (bucket_size: compiled
+    rounds' sizes), a decaying average of the seconds the scheduler timed a round, from
+    planning it to applying its rows,
     kept apart for plain rounds and for rounds that verified drafts (whose time includes the
     drafting: a draft model's evals and the sampling of its tokens).
 
@@ -185,23 +186,30 @@ class AdaptiveGate:
                 break
         return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
 
-    def verify_cost(self, k: int, batch: int = 1) -> float:
-        """A round verifying k-token drafts, in plain rounds of a `batch`-choice step: the
-        clock's timed rounds where it has both, else the priors (step_cost, draft_cost)."""
-        rows = batch * (k + 1)
+    def verify_cost(self, k: int, batch: int = 1, rows: int | None = None) -> float:
+        """A round verifying drafts of up to k tokens, in plain rounds of a `batch`-choice step:
+        the clock's timed rounds where it has both, else the priors (step_cost, draft_cost),
+        each at its compiled round's rows (bucket_size) as the clock times them. `rows`: the
+        round's token rows, batch * (k + 1) where every choice drafts k."""
+        rows = batch * (k + 1) if rows is None else rows
         if self.clock is not None:
             seconds = self.clock.seconds(rows, drafted=True)
             plain = self.clock.seconds(batch)
             if seconds is not None and plain is not None:
                 return max(1.0, seconds / plain)  # a verify never costs less: a dip is noise
-        return self.step_cost(rows) / self.step_cost(batch) + self.draft_cost * k
+        return (self.step_cost(bucket_size(rows)) / self.step_cost(bucket_size(batch))
+                + self.draft_cost * k)
 
     def expected_gain(self, k: int, batch: int = 1) -> float:
         """Expected tokens per plain-step cost of verifying a k-token draft (plain: 1.0), in a
         step of `batch` choices that draft alike: the verify's rows are the batch's times k + 1,
         so drafting that pays alone (a few rows cost about one) may not pay in a full batch."""
+        return self.expected_tokens(k) / self.verify_cost(k, batch)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a verify of a k-token draft yields at the acceptance so far, E(k)."""
         p = min(self.acceptance, 1 - 1e-9)
-        return (1 - p ** (k + 1)) / (1 - p) / self.verify_cost(k, batch)
+        return (1 - p ** (k + 1)) / (1 - p)
 
     def budget(self, batch: int = 1) -> int:
         """Draft tokens to verify this step; 0 means a plain step. Call once per step;
@@ -247,9 +255,29 @@ class AdaptiveGate:
 
     def _pause(self) -> None:
         k = min(self.sizes)
-        p = min(self.acceptance, 1 - 1e-9)
-        waste = self.verify_cost(k, self.batch) - (1 - p ** (k + 1)) / (1 - p)
+        waste = self.verify_cost(k, self.batch) - self.expected_tokens(k)
         self.pause = max(self.backoff, math.ceil(max(0.0, waste) / self.probe_overhead))
+
+
+def paying_drafts(proposals: Sequence[tuple[AdaptiveGate, int]], batch: int) -> int:
+    """How many of a step's proposed drafts, [(gate, draft length)] in order of expected
+    gain, to verify; 0 means a plain step for every choice.
+
+    Each gate proposes as if every choice of the step drafted alike (expected_gain). In a step
+    where only some do, all `batch` choices wait for the verify's extra rows and the draft
+    model's evals while only the drafting ones gain: the first j drafts yield
+    batch - j + E_1 + ... + E_j tokens in a round that costs verify_cost of batch + k_1 + ...
+    + k_j rows, and the j with the most tokens per plain round's cost wins if it beats one."""
+    best, best_gain = 0, 1.0
+    extra = rows = longest = 0
+    for j, (gate, k) in enumerate(proposals, 1):
+        extra += gate.expected_tokens(k) - 1
+        rows += k
+        longest = max(longest, k)
+        gain = (batch + extra) / batch / gate.verify_cost(longest, batch, batch + rows)
+        if gain > best_gain:
+            best, best_gain = j, gain
+    return best
 
 
 @dataclass(frozen=True)
