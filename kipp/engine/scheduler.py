@@ -377,8 +377,8 @@ class Scheduler:
 
     @staticmethod
     def _paying(running: list[Choice], drafting: list[tuple]) -> list[tuple]:
-        """The drafts of a step that pay for the rows every choice waits on (paying_drafts):
-        the others' choices step plainly. `drafting`: the draft model's starts; a prompt
+        """The drafts of a step that pay for the rows every choice waits on (paying_drafts);
+        the other choices step plainly. `drafting`: the draft model's starts; a prompt
         lookup's draft is already in its choice's `draft`."""
         starts = {id(c): start for c, start in drafting}
         proposed = [(c, len(c.draft) or starts[id(c)][1]) for c in running

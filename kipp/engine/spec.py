@@ -81,9 +81,9 @@ def compile_count(model) -> int:
 class EvalClock:
     """What decode rounds cost on this machine now: per row count (bucket_size: compiled
     rounds' sizes), a decaying average of the seconds the scheduler timed a round, from
-    planning it to applying its rows,
-    kept apart for plain rounds and for rounds that verified drafts (whose time includes the
-    drafting: a draft model's evals and the sampling of its tokens).
+    planning it to applying its rows, kept apart for plain rounds and for rounds that verified
+    drafts (whose time includes the drafting: a draft model's evals and the sampling of its
+    tokens).
 
     A gate prices a verify from it once it has timed both rounds it compares. What a round
     costs moves with the machine's state, not only its kind: where other tenants share the
@@ -261,7 +261,7 @@ class AdaptiveGate:
 
 def paying_drafts(proposals: Sequence[tuple[AdaptiveGate, int]], batch: int) -> int:
     """How many of a step's proposed drafts, [(gate, draft length)] in order of expected
-    gain, to verify; 0 means a plain step for every choice.
+    tokens, to verify; 0 means a plain step for every choice.
 
     Each gate proposes as if every choice of the step drafted alike (expected_gain). In a step
     where only some do, all `batch` choices wait for the verify's extra rows and the draft
