@@ -537,8 +537,8 @@ def test_a_batch_verifies_only_the_drafts_that_pay_for_its_rows():
     draft in a batch of eight, all eight wait for their rows and only they gain. Rows nearly
     free (a 16-row round 1.1 of an 8-row one) and a draft token 0.1 of a step: eight choices
     at 60% acceptance pay for a one-token draft each (8 + 8 x 0.6 tokens for 1.2 rounds),
-    one alone does not (8.6 for 1.2), nor does it beside seven that accept nothing; five of
-    the eight at 60% pay, and the seven at 0% beside them are cut."""
+    one alone does not (8.6 for 1.2), nor does it beside seven that accept nothing; five at
+    60% pay, and the three at 0% beside them are cut."""
     from kipp.engine.spec import AdaptiveGate, paying_drafts
 
     def gate(acceptance):

@@ -196,7 +196,8 @@ def test_top_p_cut_among_weights_tied_at_a_floor():
     # above it are candidates, and the lower ids among them are kept.
     floor = sampling._TOP_P_FLOORS[0]
     rng = np.random.default_rng(13)
-    w = (rng.random(V) * floor / 4).astype(np.float32)  # far below every floor
+    # the rest below the first floor, and too many above the second to sort
+    w = (rng.random(V) * floor / 4).astype(np.float32)
     ids = rng.choice(V, size=301, replace=False)
     w[ids[0]] = 1.0
     w[ids[1:]] = floor
