@@ -53,7 +53,7 @@ from kipp.engine.requests import (  # noqa: F401  (the engine's request API, re-
     collect,
 )
 from kipp.engine.session import Session
-from kipp.engine.spec import EvalClock, compile_count, paying_drafts
+from kipp.engine.spec import AdaptiveGate, EvalClock, compile_count, paying_drafts
 from kipp.errors import KippError
 from kipp.text.grammar import GrammarError, Matcher, grammar_tokenizer, masks_ahead, prefetch
 from kipp.text.reasoning import ThinkTokens, think_tokens
@@ -379,19 +379,19 @@ class Scheduler:
     def _paying(running: list[Choice], drafting: list[tuple]) -> list[tuple]:
         """The drafts of a step that pay for the rows every choice waits on (paying_drafts);
         the other choices step plainly. `drafting`: the draft model's starts; a prompt
-        lookup's draft is already in its choice's `draft`."""
+        lookup's draft is already in its choice's `draft`. A gate that prices nothing (not an
+        AdaptiveGate) keeps its choice's draft."""
         starts = {id(c): start for c, start in drafting}
         proposed = [(c, len(c.draft) or starts[id(c)][1]) for c in running
-                    if c.draft or id(c) in starts]
+                    if (c.draft or id(c) in starts) and isinstance(c.gate, AdaptiveGate)]
         if not proposed:
             return drafting
         proposed.sort(key=lambda ck: ck[0].gate.expected_tokens(ck[1]), reverse=True)
-        kept = {id(c) for c, _ in
-                proposed[:paying_drafts([(c.gate, k) for c, k in proposed], len(running))]}
-        for c, _ in proposed:
-            if id(c) not in kept:
-                c.draft, c.draft_source = [], ""
-        return [(c, start) for c, start in drafting if id(c) in kept]
+        kept = paying_drafts([(c.gate, k) for c, k in proposed], len(running))
+        cut = {id(c) for c, _ in proposed[kept:]}
+        for c, _ in proposed[kept:]:
+            c.draft, c.draft_source = [], ""
+        return [(c, start) for c, start in drafting if id(c) not in cut]
 
     def _evaluate(self, batch: list[tuple[Choice, list[int]]]) -> list[np.ndarray]:
         """Logits for every (choice, tokens) of a step: one backend call for the batch, plus
