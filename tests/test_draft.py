@@ -532,26 +532,34 @@ def test_the_gate_does_not_probe_where_a_batch_cannot_pay():
     assert alone[-1] == min(gate.sizes) and not any(alone[:-1])  # the probe goes ahead alone
 
 
-def test_a_batch_verifies_only_the_drafts_that_pay_for_its_rows():
-    """Each gate prices its draft as if the whole batch drafted alike; where a few choices
-    draft in a batch of eight, all eight wait for their rows and only they gain. Rows nearly
-    free (a 16-row round 1.1 of an 8-row one) and a draft token 0.1 of a step: eight choices
-    at 60% acceptance pay for a one-token draft each (8 + 8 x 0.6 tokens for 1.2 rounds),
-    one alone does not (8.6 for 1.2), nor does it beside seven that accept nothing; five at
-    60% pay, and the three at 0% beside them are cut."""
+def test_a_batch_verifies_drafts_only_where_no_choice_pays_for_them():
+    """Each gate prices its draft as if the whole batch drafted alike; all eight choices of a
+    step wait for the verify's rows and the draft model's evals. A 16-row round costs 1.1 of
+    an 8-row one and a draft token 0.1 of a step, so a one-token draft each costs 1.2 rounds:
+    eight choices at 60% acceptance pay for it (1.6 tokens each), but one drafting beside
+    seven that do not, or five beside three that accept nothing, would slow those to 1/1.2
+    of their plain rate while the step's tokens still beat a plain step's. Where rows and
+    drafts are free (a GPU's few-row evals), one choice drafts alone. Seven long drafts at
+    90% beside a one-token draft at 50% are cut to one token: at seven each the 64-row round
+    (2.4) would cost the 50% choice more than its 1.5 tokens."""
     from kipp.engine.spec import AdaptiveGate, paying_drafts
 
-    def gate(acceptance):
-        return AdaptiveGate(row_costs=((8, 2.0), (16, 2.2)), draft_cost=0.1,
-                            successes=acceptance, trials=1.0)
+    def gate(acceptance, rows=((8, 2.0), (16, 2.2)), draft_cost=0.1):
+        return AdaptiveGate(row_costs=rows, draft_cost=draft_cost, successes=acceptance,
+                            trials=1.0)
 
     good, bad = gate(0.6), gate(0.0)
     assert good.expected_gain(1, batch=8) > 1.0  # each gate alone proposes its draft
-    assert paying_drafts([(good, 1)] * 8, 8) == 8
-    assert paying_drafts([(good, 1)], 8) == 0
-    assert paying_drafts([(good, 1)] + [(bad, 1)] * 7, 8) == 0
-    assert paying_drafts([(good, 1)] * 5 + [(bad, 1)] * 3, 8) == 5
-    assert paying_drafts([(good, 1)], 1) == 1  # alone, the gate's own price
+    assert paying_drafts([(good, 1)] * 8, 8) == [1] * 8
+    assert paying_drafts([(good, 1)], 8) == [0]
+    assert paying_drafts([(good, 1)] + [(bad, 1)] * 7, 8) == [0] * 8
+    assert paying_drafts([(good, 1)] * 5 + [(bad, 1)] * 3, 8) == [0] * 8
+    # the same step's tokens per round, were the slowed choices not counted: it would pay
+    assert (8 + 5 * 0.6) / 8 / good.verify_cost(1, 8, 13) > 1.0
+    assert paying_drafts([(good, 1)], 1) == [1]  # alone, the gate's own price
+    free = gate(0.6, rows=((8, 1.0), (16, 1.0)), draft_cost=0.0)
+    assert paying_drafts([(free, 1)] + [(bad, 1)] * 7, 8) == [1] + [0] * 7
+    assert paying_drafts([(gate(0.9), 7)] * 7 + [(gate(0.5), 1)], 8) == [1] * 8
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "model"])
@@ -570,8 +578,8 @@ def test_a_step_whose_drafts_do_not_pay_verifies_none(models, monkeypatch, draft
     text = target.tokenizer.encode("The cat sat on the mat. " * 3)
     prompts = [text[i:] for i in range(4)]
     plains = [_run(target, p, 10, temperature=0)[1].tokens for p in prompts]
-    for kept, verifies in ((lambda proposals, batch: 0, False),
-                           (lambda proposals, batch: len(proposals), True)):
+    for kept, verifies in ((lambda proposals, batch: [0] * len(proposals), False),
+                           (lambda proposals, batch: [k for _, k in proposals], True)):
         monkeypatch.setattr(scheduler_module, "paying_drafts", kept)
         scheduler = Scheduler(target, max_batch=8, speculative=free)
         tickets = [scheduler.submit(Request(tuple(p), 10, sampling=SamplingParams(temperature=0)))

@@ -377,21 +377,28 @@ class Scheduler:
 
     @staticmethod
     def _paying(running: list[Choice], drafting: list[tuple]) -> list[tuple]:
-        """The drafts of a step that pay for the rows every choice waits on (paying_drafts);
-        the other choices step plainly. `drafting`: the draft model's starts; a prompt
-        lookup's draft is already in its choice's `draft`. A gate that prices nothing (not an
-        AdaptiveGate) keeps its choice's draft."""
+        """The drafts of a step that pay for the rows every choice waits on (paying_drafts),
+        each cut to the length it pays at; the other choices step plainly. `drafting`: the
+        draft model's starts (tokens, limit, matcher); a prompt lookup's draft is already in
+        its choice's `draft`. A gate that prices nothing (not an AdaptiveGate) keeps its
+        choice's draft."""
         starts = {id(c): start for c, start in drafting}
         proposed = [(c, len(c.draft) or starts[id(c)][1]) for c in running
                     if (c.draft or id(c) in starts) and isinstance(c.gate, AdaptiveGate)]
         if not proposed:
             return drafting
-        proposed.sort(key=lambda ck: ck[0].gate.expected_tokens(ck[1]), reverse=True)
-        kept = paying_drafts([(c.gate, k) for c, k in proposed], len(running))
-        cut = {id(c) for c, _ in proposed[kept:]}
-        for c, _ in proposed[kept:]:
-            c.draft, c.draft_source = [], ""
-        return [(c, start) for c, start in drafting if id(c) not in cut]
+        lengths = paying_drafts([(c.gate, k) for c, k in proposed], len(running))
+        for (c, _), k in zip(proposed, lengths):
+            if c.draft:
+                c.draft = c.draft[:k]
+                if not k:
+                    c.draft_source = ""
+            elif k:
+                tokens, limit, matcher = starts[id(c)]
+                starts[id(c)] = (tokens, min(limit, k), matcher)
+            else:
+                del starts[id(c)]
+        return [(c, starts[id(c)]) for c, _ in drafting if id(c) in starts]
 
     def _evaluate(self, batch: list[tuple[Choice, list[int]]]) -> list[np.ndarray]:
         """Logits for every (choice, tokens) of a step: one backend call for the batch, plus

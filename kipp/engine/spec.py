@@ -259,24 +259,40 @@ class AdaptiveGate:
         self.pause = max(self.backoff, math.ceil(max(0.0, waste) / self.probe_overhead))
 
 
-def paying_drafts(proposals: Sequence[tuple[AdaptiveGate, int]], batch: int) -> int:
-    """How many of a step's proposed drafts, [(gate, draft length)] in order of expected
-    tokens, to verify; 0 means a plain step for every choice.
+TOLERATED_SLOWDOWN = 0.03  # how much slower than its plain step a choice may step for drafts
 
-    Each gate proposes as if every choice of the step drafted alike (expected_gain). In a step
-    where only some do, all `batch` choices wait for the verify's extra rows and the draft
-    model's evals while only the drafting ones gain: the first j drafts yield
-    batch - j + E_1 + ... + E_j tokens in a round that costs verify_cost of batch + k_1 + ...
-    + k_j rows, and the j with the most tokens per plain round's cost wins if it beats one."""
-    best, best_gain = 0, 1.0
-    extra = rows = longest = 0
-    for j, (gate, k) in enumerate(proposals, 1):
-        extra += gate.expected_tokens(k) - 1
-        rows += k
-        longest = max(longest, k)
-        gain = (batch + extra) / batch / gate.verify_cost(longest, batch, batch + rows)
-        if gain > best_gain:
-            best, best_gain = j, gain
+
+def paying_drafts(proposals: Sequence[tuple[AdaptiveGate, int]], batch: int,
+                  tolerance: float = TOLERATED_SLOWDOWN) -> list[int]:
+    """How many tokens of each of a step's proposed drafts, [(gate, draft length)], to verify;
+    all 0 means a plain step for every choice.
+
+    Each gate prices its draft as if every choice of the step drafted alike (expected_gain).
+    All `batch` choices wait for the verify's rows and the draft model's evals, so a round
+    that costs c plain rounds slows a choice that does not draft, or drafts and gains fewer
+    than c tokens, to 1/c of its plain rate. A step verifies drafts only where no choice of
+    it steps more than `tolerance` slower than plainly: a low-acceptance stream must not pay
+    for the others' drafts. Among the drafts that keep that, at every cap on their length (a
+    shorter verify costs less), the ones kept are those with the most tokens per plain
+    round's cost, if that beats a plain step: in order of expected tokens, the first j yield
+    batch - j + E_1 + ... + E_j tokens in a round of batch + k_1 + ... + k_j rows."""
+    best, best_gain = [0] * len(proposals), 1.0
+    for cap in sorted({k for _, k in proposals}):
+        capped = [min(k, cap) for _, k in proposals]
+        tokens = [gate.expected_tokens(k) for (gate, _), k in zip(proposals, capped)]
+        order = sorted(range(len(proposals)), key=lambda i: tokens[i], reverse=True)
+        extra = rows = longest = 0
+        for j, i in enumerate(order, 1):
+            extra += tokens[i] - 1
+            rows += capped[i]
+            longest = max(longest, capped[i])
+            cost = proposals[i][0].verify_cost(longest, batch, batch + rows)
+            slowest = tokens[i] if j == batch else 1.0  # the fewest tokens a choice gains
+            gain = (batch + extra) / batch / cost
+            if gain > best_gain and slowest / cost >= 1 - tolerance:
+                kept = set(order[:j])
+                best_gain = gain
+                best = [k if n in kept else 0 for n, k in enumerate(capped)]
     return best
 
 
