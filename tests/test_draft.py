@@ -563,10 +563,12 @@ def test_a_batch_verifies_drafts_only_where_no_choice_pays_for_them():
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "model"])
-def test_a_step_whose_drafts_do_not_pay_verifies_none(models, monkeypatch, drafter):
+def test_a_step_verifies_the_drafts_paying_drafts_keeps_at_their_lengths(models, monkeypatch,
+                                                                         drafter):
     """Where paying_drafts keeps none of a step's proposed drafts (prompt lookup's, already
     drafted, or the draft model's, not yet), every choice steps plainly; where it keeps them
-    all, they verify. Greedy output is plain greedy's either way."""
+    all, they verify, and where it cuts each to one token, every verify holds one draft token.
+    Greedy output is plain greedy's either way."""
     from kipp.engine import scheduler as scheduler_module
     from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter
 
@@ -578,8 +580,9 @@ def test_a_step_whose_drafts_do_not_pay_verifies_none(models, monkeypatch, draft
     text = target.tokenizer.encode("The cat sat on the mat. " * 3)
     prompts = [text[i:] for i in range(4)]
     plains = [_run(target, p, 10, temperature=0)[1].tokens for p in prompts]
-    for kept, verifies in ((lambda proposals, batch: [0] * len(proposals), False),
-                           (lambda proposals, batch: [k for _, k in proposals], True)):
+    for kept, verifies in ((lambda proposals, batch: [0] * len(proposals), "none"),
+                           (lambda proposals, batch: [k for _, k in proposals], "whole"),
+                           (lambda proposals, batch: [1] * len(proposals), "one token")):
         monkeypatch.setattr(scheduler_module, "paying_drafts", kept)
         scheduler = Scheduler(target, max_batch=8, speculative=free)
         tickets = [scheduler.submit(Request(tuple(p), 10, sampling=SamplingParams(temperature=0)))
@@ -588,7 +591,12 @@ def test_a_step_whose_drafts_do_not_pay_verifies_none(models, monkeypatch, draft
         for ticket, want in zip(tickets, plains):
             events = list(ticket)
             assert [t for e in events if isinstance(e, Delta) for t in e.tokens] == want
-            assert (events[-1].spec.verify_evals > 0) == verifies
+            spec = events[-1].spec
+            assert (spec.verify_evals > 0) == (verifies != "none")
+            if verifies == "one token":
+                assert spec.drafted == spec.verify_evals
+            elif verifies == "whole":
+                assert spec.drafted > spec.verify_evals  # drafts of more than one token
     target.pool.check()
     base.pool.check()
 
