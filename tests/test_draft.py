@@ -682,18 +682,21 @@ def test_a_draft_models_gate_drafts_one_token_where_three_do_not_pay():
 @pytest.mark.clocked
 def test_the_clock_prices_the_gate_over_its_load_time_priors():
     """The costs measured at load are priors: once the scheduler has timed a plain round and a
-    drafting one of the rows a verify compares, the gate prices the verify by their ratio.
-    Priors where a 4-row verify and its 3 draft tokens cost 1.4 steps pay at 30% acceptance;
-    a clock that has timed them at 1.75 (a plain round sped up by a freer memory bus) pauses."""
+    drafting one of the rows a verify compares, drafted by the gate's own drafter, the gate
+    prices the verify by their ratio. Priors where a 4-row verify and its 3 draft tokens cost
+    1.4 steps pay at 30% acceptance; a clock that has timed them at 1.75 (a plain round sped up
+    by a freer memory bus) pauses. Another drafter's rounds (a dearer draft model's) price
+    nothing of it."""
     from kipp.engine.spec import AdaptiveGate, EvalClock
 
     clock = EvalClock()
     gate = AdaptiveGate(row_costs=((4, 1.1), (8, 1.8)), draft_cost=0.1, successes=0.3,
-                        trials=1.0, clock=clock)
+                        trials=1.0, clock=clock, drafter="ours")
     assert gate.verify_cost(3) == pytest.approx(1.4)  # nothing timed: the priors
     assert gate.budget(1) == 3
-    clock.record(4, 0.035, drafted=True)  # one round alone prices nothing
+    clock.record(4, 0.035, "ours")  # one round alone prices nothing
     clock.record(4, 0.030)  # a plain round of 4 rows is another batch's
+    clock.record(4, 0.090, "theirs")
     assert gate.verify_cost(3) == pytest.approx(1.4)
     clock.record(1, 0.020)
     assert gate.verify_cost(3) == pytest.approx(1.75)
@@ -702,9 +705,10 @@ def test_the_clock_prices_the_gate_over_its_load_time_priors():
     clock.record(1, 0.100)  # plain now 0.04 s: a verify timed below it is noise
     assert gate.verify_cost(3) == 1.0
     # rounds are timed by compiled round (powers of two), each a decaying average
-    clock.record(3, 0.045, drafted=True)
-    assert clock.seconds(4, drafted=True) == pytest.approx(0.75 * 0.035 + 0.25 * 0.045)
-    assert clock.seconds(2) is None and clock.seconds(2, drafted=True) is None
+    clock.record(3, 0.045, "ours")
+    assert clock.seconds(4, "ours") == pytest.approx(0.75 * 0.035 + 0.25 * 0.045)
+    assert clock.seconds(4, "theirs") == pytest.approx(0.090)
+    assert clock.seconds(2) is None and clock.seconds(2, "ours") is None
 
 
 @pytest.mark.clocked
@@ -713,7 +717,7 @@ def test_the_scheduler_times_decode_rounds_into_the_clock(models, monkeypatch):
     plain and drafting apart; not prompt chunks, a round whose target or draft eval compiled, or
     a first draft (its eval covers the prompt)."""
     from kipp.engine.draft import spec_config
-    from kipp.engine.spec import EvalClock
+    from kipp.engine.spec import EvalClock, drafter_key
 
     target, draft = models(TINY), models(BASE)
     config = spec_config(draft, target, row_costs=((4, 1.1), (8, 1.8), (16, 4.0)),
@@ -724,19 +728,25 @@ def test_the_scheduler_times_decode_rounds_into_the_clock(models, monkeypatch):
         scheduler = Scheduler(target, speculative=config)
         assert scheduler.clock is target.clock  # each new scheduler goes on timing the model
         timed, record = [], scheduler.clock.record
-        scheduler.clock.record = lambda *a, **k: timed.append(k.get("drafted")) or record(*a, **k)
+        scheduler.clock.record = lambda rows, seconds, drafter=None: (
+            timed.append(drafter) or record(rows, seconds, drafter))
         ticket = scheduler.submit(Request(_prompt(target, 40), max_tokens=12,
                                           sampling=SamplingParams(temperature=0)))
+        scheduler.step()
+        gate = scheduler._running[0].live[0].gate  # reads the rounds it is priced by
+        assert gate.clock is target.clock and gate.drafter == drafter_key(config)
         scheduler.run_until_idle()
         tokens, _, _, last = collect(ticket)
         assert isinstance(last, Done) and len(tokens[0]) == 12
         return scheduler.clock, timed, last.spec
 
     clock, timed, spec = generate()
-    assert clock.drafted and set(clock.drafted) <= {2, 4, 8, 16}, clock.drafted
+    assert list(clock.drafted) == [drafter_key(config)]  # the draft model's rounds, keyed so
+    assert set(clock.drafted[drafter_key(config)]) <= {2, 4, 8, 16}, clock.drafted
     assert set(clock.plain) <= {1}, clock.plain  # the 40-token prompt's round is not timed
     # every decode round but the first draft's, which evaluated the prompt on the draft model
-    assert timed.count(True) == spec.verify_evals - 1 and timed.count(False) == spec.plain_evals
+    assert timed.count(drafter_key(config)) == spec.verify_evals - 1
+    assert timed.count(None) == spec.plain_evals
 
     for model in (target, draft):  # every eval of either compiles: nothing is timed
         compile_log, real_eval = [], model.backend.eval

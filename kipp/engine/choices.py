@@ -20,7 +20,7 @@ from kipp.engine.draft import ModelDrafter
 from kipp.engine.output import ChoiceOutput
 from kipp.engine.requests import Delta, Done, FinishReason, Ticket, TokenLogprob, timings
 from kipp.engine.session import Session
-from kipp.engine.spec import AdaptiveGate, SpecConfig, SpecStats
+from kipp.engine.spec import AdaptiveGate, SpecConfig, SpecStats, drafter_key
 from kipp.text.grammar import Matcher
 from kipp.text.reasoning import ThinkTracker
 from kipp.text.sampling import Sampler, logprobs
@@ -58,9 +58,10 @@ class Choice:
                                               session.capacity, model.entry.stop_token_ids)
             self.model_drafter.isolated = run.isolated
         self.gate = spec.gate() if spec else None
+        self.drafter_key = drafter_key(spec) if spec else None  # its drafting rounds' clock
         if isinstance(self.gate, AdaptiveGate) and self.gate.clock is None:
             # priced by what the scheduler times (a gate given a clock keeps its own)
-            self.gate.clock = run.scheduler.clock
+            self.gate.clock, self.gate.drafter = run.scheduler.clock, self.drafter_key
         self.spec = SpecStats() if spec else None
         self.draft: list[int] = []
         self.draft_q: list[np.ndarray] | None = None  # the distribution of each draft token

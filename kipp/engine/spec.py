@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 from kipp.engine.rounds import bucket_size
 from kipp.errors import KippError
@@ -77,13 +77,16 @@ def compile_count(model) -> int:
     return len(getattr(getattr(model, "backend", None), "compile_log", ()))
 
 
+LOOKUP = "lookup"  # the clock's key for rounds whose drafts cost no model evals (drafter_key)
+
+
 @dataclass
 class EvalClock:
     """What decode rounds cost on this machine now: per row count (bucket_size: compiled
     rounds' sizes), a decaying average of the seconds the scheduler timed a round, from
     planning it to applying its rows, kept apart for plain rounds and for rounds that verified
-    drafts (whose time includes the drafting: a draft model's evals and the sampling of its
-    tokens).
+    drafts, per drafter (drafter_key): a drafting round's time includes the drafting, a draft
+    model's evals and the sampling of its tokens, which another draft model does not cost.
 
     A gate prices a verify from it once it has timed both rounds it compares. What a round
     costs moves with the machine's state, not only its kind: where other tenants share the
@@ -92,19 +95,21 @@ class EvalClock:
 
     decay: float = 0.75  # weight of the past at each timed round
     plain: dict[int, float] = field(default_factory=dict)
-    drafted: dict[int, float] = field(default_factory=dict)
+    drafted: dict[Hashable, dict[int, float]] = field(default_factory=dict)
 
-    def record(self, rows: int, seconds: float, drafted: bool = False) -> None:
-        """A decode round of `rows` token rows took `seconds`; `drafted`: it verified drafts."""
+    def record(self, rows: int, seconds: float, drafter: Hashable | None = None) -> None:
+        """A decode round of `rows` token rows took `seconds`; `drafter`: the drafter_key of
+        the drafts it verified, None for a plain round."""
         if rows < 1 or not seconds > 0:
             return
-        table = self.drafted if drafted else self.plain
+        table = self.plain if drafter is None else self.drafted.setdefault(drafter, {})
         key = bucket_size(rows)
         old = table.get(key)
         table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
-    def seconds(self, rows: int, drafted: bool = False) -> float | None:
-        return (self.drafted if drafted else self.plain).get(bucket_size(rows))
+    def seconds(self, rows: int, drafter: Hashable | None = None) -> float | None:
+        table = self.plain if drafter is None else self.drafted.get(drafter, {})
+        return table.get(bucket_size(rows))
 
 
 @dataclass
@@ -141,6 +146,7 @@ class AdaptiveGate:
     draft_cost: float = 0.0  # a drafted token's own cost in plain steps (a draft model's evals)
     row_costs: tuple[tuple[int, float], ...] = ()  # measured (rows, cost); replaces the line
     clock: EvalClock | None = None  # rounds timed as they run (the scheduler's); beats priors
+    drafter: Hashable = LOOKUP  # whose drafting rounds on the clock price it (drafter_key)
     decay: float = 0.5  # weight of the past at each verify: acceptance follows the text quickly
     max_pause: int = 32
     probe_overhead: float = 0.03  # what probing may cost a stream whose drafts do not pay
@@ -193,7 +199,7 @@ class AdaptiveGate:
         round's token rows, batch * (k + 1) where every choice drafts k."""
         rows = batch * (k + 1) if rows is None else rows
         if self.clock is not None:
-            seconds = self.clock.seconds(rows, drafted=True)
+            seconds = self.clock.seconds(rows, self.drafter)
             plain = self.clock.seconds(batch)
             if seconds is not None and plain is not None:
                 return max(1.0, seconds / plain)  # a verify never costs less: a dip is noise
@@ -311,6 +317,13 @@ class SpecConfig:
     drafter: Callable[[], Drafter] | None = PromptLookupDrafter
     gate: Callable[[], AdaptiveGate] = AdaptiveGate
     draft_model: Any = None
+
+
+def drafter_key(spec: SpecConfig) -> Hashable:
+    """What drafts for `spec`, as the EvalClock keys its drafting rounds: the draft model (by
+    identity: two loads of one checkpoint, a cut head and a whole one, cost differently), or
+    LOOKUP where no model drafts."""
+    return LOOKUP if spec.draft_model is None else ("model", id(spec.draft_model))
 
 
 @dataclass
