@@ -20,21 +20,9 @@ from kipp.engine.spec import SpecConfig, SpecError
 from kipp.errors import KippError
 from kipp.model import GenerationError, load
 from kipp.text.sampling import Sampler, SamplingParams
+from spec_gates import FixedGate
 
 TINY, BASE = "kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base"
-
-
-class FixedGate:
-    """Always drafts `k` tokens, so every step verifies."""
-
-    def __init__(self, k=7):
-        self.k = k
-
-    def budget(self, batch=1):
-        return self.k
-
-    def update(self, drafted, accepted):
-        pass
 
 
 def _config(draft, k=7):

@@ -9,13 +9,21 @@ both distributions spread over several tokens. Each case
 compares thousands of speculative draws with as many plain ones in a two-sample chi-square; the
 test's power is shown by two planted rules it must reject: drawing from p on rejection instead
 of the residual max(0, p - q), and accepting every draft token.
+
+End to end, `test_the_next_tokens_with_a_draft_model_are_plain_samples` runs the scheduler: a
+thousand seeded requests for a few tokens each with a draft model, as many without, compared
+position by position, the same two planted rules rejected.
 """
 
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
+from kipp.engine.scheduler import Delta, Request, Scheduler
+from kipp.engine.spec import SpecConfig
+from kipp.model import load
 from kipp.text.sampling import Sampler, SamplingParams
+from spec_gates import FixedGate
 
 TINY, BASE = "kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base"
 DRAWS = 3000
@@ -23,6 +31,10 @@ PROMPT = "The cat sat on the mat and the dog"
 # A fixed seed per case makes the outcome deterministic; 1e-3 is the false-alarm rate a
 # correct rule would have over fresh seeds, per case.
 ALPHA = 1e-3
+# End to end: the target drafting for itself through a head cut at CUT, whose hot top tokens
+# for PROMPT lie on both sides of it; REQUESTS seeded requests of TOKENS tokens each (the first
+# from the prompt's logits, most others from verifies)
+CUT, REQUESTS, TOKENS = 512, 1000, 4
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +107,17 @@ def _compare(params, p_row, q_row, allowed, history, verify=Sampler.verify, seed
         token = verify(target, p_row, history, allowed, d, q)
         kept += token == d
         spec_draws.append(token)
-    ids = sorted(set(plain_draws) | set(spec_draws))
-    table = np.array([[draws.count(i) for i in ids] for draws in (plain_draws, spec_draws)])
+    return _chi2(plain_draws, spec_draws), kept / DRAWS
+
+
+def _chi2(x, y) -> float:
+    """The two-sample chi-square p-value of two lists of draws."""
+    ids = sorted(set(x) | set(y))
+    table = np.array([[draws.count(i) for i in ids] for draws in (x, y)])
     small = table.sum(axis=0) < 10  # pool the rare tokens, so every expected count is >= 5
     if small.any():
         table = np.column_stack([table[:, ~small], table[:, small].sum(axis=1)])
-    return chi2_contingency(table).pvalue, kept / DRAWS
+    return chi2_contingency(table).pvalue if table.shape[1] > 1 else 1.0
 
 
 @pytest.mark.slow
@@ -146,3 +163,61 @@ def test_greedy_verify_is_the_argmax_and_draws_nothing(logits):
     assert sampler.verify(p_row, prompt, None, int(np.argmax(q_row))) == best
     assert sampler.verify(p_row, prompt, None, best) == best
     assert sampler.rng.bit_generator.state == state
+
+
+
+def _sequences(target, spec, seeds, params):
+    """The TOKENS-token continuations of PROMPT, one seeded request each, all in one scheduler
+    (the reference backend is batch-invariant: seeded requests share rounds)."""
+    prompt = tuple(target.tokenizer.encode(PROMPT))
+    scheduler = Scheduler(target, max_batch=16, max_queue=len(seeds), speculative=spec or False)
+    tickets = [scheduler.submit(Request(prompt, TOKENS, sampling=SamplingParams(seed=s,
+                                                                                 **params)))
+               for s in seeds]
+    scheduler.run_until_idle()
+    out = []
+    for ticket in tickets:
+        tokens = tuple(t for e in ticket if isinstance(e, Delta) for t in e.tokens)
+        assert len(tokens) == TOKENS
+        out.append(tokens)
+    return out, scheduler.counters
+
+
+def _pvalues(a, b):
+    """Per position, the p-value of two sets of sequences' tokens there (a sequence's tokens
+    depend on each other; each position's are independent draws)."""
+    return [_chi2([s[i] for s in a], [s[i] for s in b]) for i in range(TOKENS)]
+
+
+@pytest.mark.slow
+def test_the_next_tokens_with_a_draft_model_are_plain_samples(artifacts, monkeypatch):
+    """The tiny target drafting for itself through a head cut at CUT (q is p over the ids
+    below it, renormalised: a token below is accepted with the mass p holds there, one past it
+    comes only from the residual), at every step: the 4-token continuations of a fixed prompt
+    over 1,000 seeded requests match 1,000 plain ones position by position, and the planted
+    rules are rejected. The verifies go through the scheduler's rounds, the draft's KV
+    rollbacks and each position's own logits row and history."""
+    target = load(artifacts(TINY), backend="reference", kv_tokens=4096, progress=False,
+                  draft=artifacts(TINY), draft_vocab=CUT)
+    spec = SpecConfig(drafter=None, gate=lambda: FixedGate(3), draft_model=target.draft)
+    params = dict(temperature=5.0, top_k=6)
+    plain, _ = _sequences(target, None, range(REQUESTS), params)
+    seeds = range(REQUESTS, 2 * REQUESTS)
+    drafted, counters = _sequences(target, spec, seeds, params)
+    accepted = counters["spec_accepted"] / counters["spec_drafted"]
+    crossing = np.mean([t >= CUT for seq in plain for t in seq[1:]])
+    print(f"acceptance {accepted:.2f}, plain tokens past the cut {crossing:.2f}, "
+          f"{len(set(plain))} continuations")
+    assert 0.05 < accepted < 0.95 and 0.05 < crossing < 0.95  # both sides of the rule
+    pvalues = _pvalues(plain, drafted)
+    print("p-values", [f"{v:.3g}" for v in pvalues])
+    assert min(pvalues) > ALPHA / TOKENS
+    for planted in (planted_residual_is_p, planted_accept_all):
+        with monkeypatch.context() as patched:
+            patched.setattr(Sampler, "verify", planted)
+            biased, _ = _sequences(target, spec, seeds, params)
+        pvalues = _pvalues(plain, biased)
+        print(planted.__name__, [f"{v:.3g}" for v in pvalues])
+        assert min(pvalues) < 1e-6, planted.__name__
+    target.pool.check()
+    target.draft.pool.check()

@@ -17,6 +17,7 @@ from kipp.engine.spec import AdaptiveGate, PromptLookupDrafter, SpecConfig
 from kipp.formats.registry import IM_END_ID
 from kipp.model import GenerationError, load
 from kipp.synthetic.writer import designed_rule, live_token_ids
+from spec_gates import FixedGate
 
 TINY = "kipp-synthetic/qwen3-tiny"
 STEPS = 16
@@ -56,19 +57,6 @@ def _generate(model, prompt, steps=STEPS, **options):
     if "speculative" not in options:
         _PLAIN[key] = text, generation.stats
     return text, generation.stats
-
-
-class FixedGate:
-    """Always drafts `k` tokens: no adaptivity, so every step verifies."""
-
-    def __init__(self, k):
-        self.k = k
-
-    def budget(self, batch=1):
-        return self.k
-
-    def update(self, drafted, accepted):
-        pass
 
 
 class OracleDrafter:
