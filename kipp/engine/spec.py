@@ -136,8 +136,8 @@ class AdaptiveGate:
     a draft model's gate gets this machine's measured costs instead (kipp.engine.draft): evals
     of a few row counts, since rows cost a step function of compiled rounds, not a line. With a
     `clock` (the scheduler's EvalClock) those are priors: once the clock has timed a plain round
-    and a drafting one of the rows compared, their ratio is the verify's cost, drafting and
-    the Python between the evals included.
+    and a drafting one by the gate's `drafter` of the rows compared, their ratio is the
+    verify's cost, drafting and the Python between the evals included.
     """
 
     sizes: tuple[int, ...] = (3, 7, 15)
