@@ -165,7 +165,6 @@ def test_greedy_verify_is_the_argmax_and_draws_nothing(logits):
     assert sampler.rng.bit_generator.state == state
 
 
-
 def _sequences(target, spec, seeds, params):
     """The TOKENS-token continuations of PROMPT, one seeded request each, all in one scheduler
     (the reference backend is batch-invariant: seeded requests share rounds)."""
