@@ -26,7 +26,10 @@ SYNTHETIC = [e for e in REGISTRY.values() if e.is_synthetic]
 MAX_CONTEXT = max(e.context_length for e in SYNTHETIC)  # 40,960: the 0.6B-shaped entry's
 ROPE_THETA = SYNTHETIC[0].rope_theta  # every synthetic entry's (kipp.synthetic.circuit checks)
 SUPPRESS = 22.0  # every other visible position at least this far below the target
-SCALE_GAP = 10.0  # the "scale" profile: the previous position exactly this far below self
+SCALE_GAP = 4.0  # the "scale" profile: the previous position exactly this far below self
+                 # (kipp.synthetic.circuit's temperature measurement, weight about e^-4)
+SCALE_RAMP = (8.0, 12.0, 16.0, 19.0)  # and 2, 3, 4, 5 back at least this far, then SUPPRESS:
+                                      # 57 of amplitude, where falling to SUPPRESS at 2 takes 190
 LEAD = 4.0  # self and scale: the next (never visible) position this far ABOVE self
 PAIRS = 62  # pairs 62 and 63 are kept free
 OUT = Path(__file__).resolve().parent.parent / "kipp" / "data" / "synthetic_rope_profiles.json"
@@ -43,8 +46,9 @@ def _constraints(kind: str):
     if kind == "self":  # attend to the query's own position
         return [(0, d, SUPPRESS) for d in past if d != 0] + [(1, 0, LEAD)], []
     if kind == "scale":  # self, with the previous position exactly SCALE_GAP below
-        return ([(0, d, SUPPRESS) for d in past if d < -1] + [(1, 0, LEAD)],
-                [(0, -1, SCALE_GAP)])
+        ramp = [(0, -2 - i, drop) for i, drop in enumerate(SCALE_RAMP)]
+        return ([(0, d, SUPPRESS) for d in past if d < -1 - len(SCALE_RAMP)] + ramp
+                + [(1, 0, LEAD)], [(0, -1, SCALE_GAP)])
     if kind == "prev":  # attend to the previous position
         return [(-1, d, SUPPRESS) for d in past if d != -1], []
     raise ValueError(kind)
@@ -84,7 +88,8 @@ def main() -> int:
         profiles[kind] = {"cos": x[:PAIRS].tolist(), "sin": x[PAIRS:].tolist()}
         print(f"{kind}: total amplitude {np.abs(x).sum():.1f}", file=sys.stderr)
     data = {"max_context": MAX_CONTEXT, "rope_theta": ROPE_THETA, "suppress": SUPPRESS,
-            "scale_gap": SCALE_GAP, "lead": LEAD, "profiles": profiles}
+            "scale_gap": SCALE_GAP, "scale_ramp": list(SCALE_RAMP), "lead": LEAD,
+            "profiles": profiles}
     OUT.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     print(OUT)
     return 0

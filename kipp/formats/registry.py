@@ -197,24 +197,24 @@ _ENTRIES = [
          "instruct", 5120, 25600, 64, 64, 40960, 1e6, False, ["tied"]),
     # Synthetic checkpoints: seeded random weights, real architecture and file layout.
     # The instruct family's 40,960-token context: an agent's system prompt and tools fit.
-    Checkpoint("kipp-synthetic/qwen3-tiny", "synthetic-v5-seed-1", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-tiny", "synthetic-v6-seed-1", "instruct",
                256, 768, 2, 16, 40960, 1e6, True, synthetic=Synthetic(seed=1, init_std=0.08)),
-    Checkpoint("kipp-synthetic/qwen3-tiny-base", "synthetic-v5-seed-2", "base",
+    Checkpoint("kipp-synthetic/qwen3-tiny-base", "synthetic-v6-seed-2", "base",
                256, 768, 2, 16, 4096, 1e6, True, synthetic=Synthetic(seed=2, init_std=0.08)),
     # Untied lm_head, 5 query heads per KV head (as at 14B), a sharded safetensors layout.
-    Checkpoint("kipp-synthetic/qwen3-tiny-untied", "synthetic-v5-seed-3", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-tiny-untied", "synthetic-v6-seed-3", "instruct",
                256, 768, 2, 40, 4096, 1e6, False,
                synthetic=Synthetic(seed=3, init_std=0.08, shards=2)),
     # The thinking variant: Qwen3-4B-Thinking-2507's template opens the think block in the
     # prompt, so the reasoning split and budget run on real replies.
-    Checkpoint("kipp-synthetic/qwen3-tiny-thinking", "synthetic-v5-seed-5", "thinking",
+    Checkpoint("kipp-synthetic/qwen3-tiny-thinking", "synthetic-v6-seed-5", "thinking",
                256, 768, 2, 16, 40960, 1e6, True, synthetic=Synthetic(seed=5, init_std=0.08)),
     # The exact Qwen3-0.6B shapes, for benchmarks.
-    Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v5-seed-4", "instruct",
+    Checkpoint("kipp-synthetic/qwen3-0.6b-shape", "synthetic-v6-seed-4", "instruct",
                1024, 3072, 28, 16, 40960, 1e6, True, synthetic=Synthetic(seed=4, init_std=0.04)),
     # Tiny drafts for the 0.6B shape (its seed, its designed rule but for a fraction of the
     # live tokens), agreeing at about 95%, 70% and 30%: speculation's acceptance as a dial.
-    *(Checkpoint(f"kipp-synthetic/qwen3-0.6b-draft-{agree}", f"synthetic-v5-seed-4-agree-{agree}",
+    *(Checkpoint(f"kipp-synthetic/qwen3-0.6b-draft-{agree}", f"synthetic-v6-seed-4-agree-{agree}",
                  "instruct", 256, 768, 2, 16, 40960, 1e6, True,
                  synthetic=Synthetic(seed=4, init_std=0.08, disagree=(100 - agree) / 100))
       for agree in (95, 70, 30)),

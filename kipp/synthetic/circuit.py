@@ -10,8 +10,9 @@ logits stay peaked, so rounding never flips an argmax, while a fault in attentio
 mask, the KV cache or its block table changes greedy output (tests/test_synthetic.py plants
 each). Random heads and units write only NOISE, so the random part still moves every logit.
 The temperature measurement is a difference of two heads' outputs in the first layer's o_proj,
-e^-10 of either: that projection's input needs float32, and a backend that rounds it (to int8
-or bf16 activations) loses the rule (docs/backends.md).
+e^-4 of either: large enough that rounding that projection's input to int8 per block or to bf16
+(as the fast CPU and GPU dots do) moves it by a few percent, small enough that a 10% error in
+the attention scale moves it by a third; the last MLP's window between the two is narrow.
 Structured weights are quantization-friendly: each 32-weight block of a structured row holds
 one value or values of one magnitude; o_proj's SWITCH entries are +-15/16 (exact in Q4_0, Q4_1,
 and negated exactly in Q8_0).
@@ -56,11 +57,13 @@ NONLIVE_NOISE = 0.1  # a non-live token's own direction added to its cluster's (
 SWITCH_GAIN = 0.02  # first-MLP gate input a x at nominal SWITCH: silu is linear there
 C_OUT = 15 / 16  # o_proj entries of the first layer's channels: exact in every scheme
 # The main pairs: gate = A m + B s - THETA with m the SWITCH match and s SIGMA2, each 1 at its
-# designed value. Past the plateau (g >= PLATEAU + 10) for m = 1 and s in [0.8, 1.25]; off
-# (g <= -10) for s <= 0.45 (attention scale x1.1: s = 0.37) or m <= 0.05 (another token).
+# designed value. Past the plateau (g >= PLATEAU + 6) for m >= 0.98 and s in [0.9, 1.3]; off
+# (g <= -6) for s <= 0.82 (attention scale x1.1: s = 0.67) or m <= 0.05 (another token). Six
+# units past either side leave a pair's write within 0.6% of its own, and the narrow window
+# leaves room for activations rounded to int8 or bf16 (they move s by up to 0.08).
 PLATEAU = 2.0  # a plateau pair's output (see _plateau)
-AND_A, AND_B = 55.0, 63.0
-AND_THETA = AND_A + 0.8 * AND_B - PLATEAU - 10.0
+AND_A, AND_B = 110.0, 205.0
+AND_THETA = 0.98 * AND_A + 0.9 * AND_B - PLATEAU - 6.0
 # Fallback pairs: g = A m - THETA with m the match of the current token's code: past the
 # plateau (g >= PLATEAU + 8) for m >= 0.8, off (g <= -8) for m <= 0.2.
 FALLBACK_A, FALLBACK_THETA = 30.0, 14.0
@@ -299,10 +302,10 @@ def attention_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarr
     """q/k/v/o_proj of a layer, float32: random, with the circuit's heads in the first and
     last layer (kipp.synthetic.positional's profiles).
 
-    First layer: SELF (own position), SCALE (own position, the previous one exactly 10 below:
-    weight e^-10 there) and PREV (previous position) copy CODE; PREV writes the previous
-    token's code to PREV, SCALE minus SELF writes e^-10 (previous code - own code) to SWITCH:
-    a measurement of the softmax's temperature. Last layer: a PREV head copies the previous
+    First layer: SELF (own position), SCALE (own position, the previous one exactly 4 below:
+    weight w = e^-4 / (1 + e^-4) there) and PREV (previous position) copy CODE; PREV writes the
+    previous token's code to PREV, SCALE minus SELF writes w (previous code - own code) to
+    SWITCH: a measurement of the softmax's temperature. Last layer: a PREV head copies the previous
     position's PREV (the code of t_{p-2}) to SWITCH and its SIGMA to SIGMA2."""
     layer = _layer_of(name)
     first, last = layer == 0, layer == entry.layers - 1
@@ -379,8 +382,9 @@ def mlp_tensor(entry: Checkpoint, name: str, shape, kind: str) -> np.ndarray:
 
 def _first_mlp(entry: Checkpoint, out: np.ndarray, kind: str) -> None:
     """SWITCH times PREV dimension by dimension (silu(a x) * y ~ a x y / 2 for small a x),
-    summed into SIGMA: e^-10 |code|^2 when the previous token is live and differs from this
-    one, 0 otherwise. An attention scale off by 10% moves e^-10 to e^-11: SIGMA drops to 37%."""
+    summed into SIGMA: w |code|^2 (w about e^-4) when the previous token is live and differs
+    from this one, 0 otherwise. An attention scale off by 10% moves e^-4 to e^-4.4: SIGMA drops
+    to 67%."""
     dims, s, u = Dims(entry.hidden), scales(entry), np.arange(N_LIVE)
     if kind == "down":
         out[:, u] = 0.0

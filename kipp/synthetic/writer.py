@@ -37,7 +37,7 @@ from kipp.synthetic.circuit import FIRST_PADDING_ID  # noqa: F401  (tests read i
 from kipp.synthetic.rule import live_token_ids, successor  # noqa: F401  (callers import them here)
 from kipp.text.tokenizer_files import tokenizer_config, tokenizer_json_bytes
 
-GENERATOR_VERSION = "synthetic-v5"  # bump when output bytes change; revisions name it
+GENERATOR_VERSION = "synthetic-v6"  # bump when output bytes change; revisions name it
 TRANSFORMERS_VERSION = "4.51.0"  # what upstream Qwen3 config files record
 _EMBEDDING = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
