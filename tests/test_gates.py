@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kipp import gates
+from kipp.synthetic.rule import rule as designed_rule
 from kipp.cli import main as cli_main
 
 TINY = "kipp-synthetic/qwen3-tiny"
@@ -64,12 +65,13 @@ def test_bounds_are_calibrated_per_backend():
     assert gates.bound_key(twins) == "jax" and gates.bound_key(kernels) == "jax-kernels"
     assert gates.calibrated_bound(kernels, "reference") == gates.BOUNDS["jax-kernels"]["reference"]
     assert gates.bound_key(SimpleNamespace(name="reference")) == "reference"
-    # the int8 dot of the stored CPU matmul has its own row and a rounding oracle; the opt-in
-    # BF16 dots (alone or with int8) are held to the float32 dot's row
-    for dot, key, rounds in (("int8", "jax-int8", True), ("f32", "jax", False),
-                             ("int8+bf16", "jax", True), ("bf16", "jax", False)):
+    # each rounding dot of the stored CPU matmul (alone or joined) has its own row, and the
+    # reference oracle rounds as it does
+    for dot, key in (("int8", "jax-int8"), ("f32", "jax"), ("int8+bf16", "jax-int8+bf16"),
+                     ("bf16", "jax-bf16")):
         backend = SimpleNamespace(name="jax", choice=SimpleNamespace(kernels=False), cpu_dot=dot)
-        assert gates.bound_key(backend) == key and gates.rounds_to_int8(backend) == rounds, dot
+        assert gates.bound_key(backend) == key and gates.activation_dots(backend) == dot, dot
+        assert set(gates.BOUNDS[key]) == set(gates.GATES), key
     assert gates.calibrated_bound("jax-int8", "reference") < 1e-4
 
 
@@ -105,48 +107,45 @@ def test_kipp_gates_fail_on_a_perturbed_source(synthetic_dir, tmp_path, capsys, 
     assert code == 1, out
 
 
-def test_int8_activations_take_the_synthetic_circuits_off_their_design(artifacts, monkeypatch):
-    """Why the stored CPU matmul's int8 dot is not the default (kipp.cuda.cpu.stored_matmul.
-    DEFAULT_DOT): the numpy reference rounding each quantized projection's input as that dot
-    does follows the designed greedy rule on none of the tiny checkpoint's designed prompts,
-    where the unrounded reference follows it on all. The first layer's o_proj alone does it:
-    its input's SCALE - SELF difference, e^-10 of either, is the circuit's temperature
-    measurement (docs/backends.md); every other projection rounded keeps the rule."""
+_ROUNDED = [(TINY, "bf16"), (TINY, "q8_0"),
+            *(pytest.param(c, s, marks=pytest.mark.slow) for c in TINY_IDS for s in SCHEMES
+              if (c, s) not in ((TINY, "bf16"), (TINY, "q8_0")))]
+
+
+@pytest.mark.parametrize("checkpoint_id, scheme", _ROUNDED)
+def test_rounded_activations_keep_the_designed_rule_and_see_its_fault(artifacts, monkeypatch,
+                                                                       checkpoint_id, scheme):
+    """The fast CPU dots round each projection's input (int8 per 32-block for quantized
+    weights, bf16 for BF16 ones and the head). The synthetic circuits' temperature measurement
+    survives it (kipp.synthetic.circuit): the numpy reference rounding as those dots do follows
+    the designed greedy rule on every designed prompt, and the fault the measurement is there
+    to see, an attention scale 10% off, still changes at least 6 of the 8 under the rounding."""
+    import faults
     from kipp.model import load
-    from kipp.reference import ops
 
-    model = load(artifacts(TINY, "q8_0"), backend="reference", kv_tokens=1024, progress=False)
-    prompts = len(gates.designed_prompts(model.entry))
-    assert gates.gate_designed(model).passed
-    model.backend.int8_activations = True
+    model = load(artifacts(checkpoint_id, scheme), backend="reference", kv_tokens=1024,
+                 progress=False)
+    model.backend.activations = "int8+bf16"
+    assert "int8+bf16 activations" in model.backend.describe()
     result = gates.gate_designed(model)
-    assert result.metric == prompts, result.detail
+    assert result.passed, result.detail
+    prompts = gates.designed_prompts(model.entry)
+    rule = designed_rule(model.entry)
+    expected = [rule.continuation(p, gates.DESIGNED_STEPS) for p in prompts]
+    faults.get("attention-scale-1.1").plant(monkeypatch)
+    got = gates.greedy_tokens(model, prompts, gates.DESIGNED_STEPS, expected)
+    changed = [g != e for g, e in zip(got, expected)]
+    assert sum(changed) >= 6, changed
 
-    first_o = model.backend.weights.layers[0].o
-    plain_rows, plain_linear = ops.int8_rows, ops.linear
-    for rounds_first_o, off in [(False, 0), (True, prompts)]:
-        inputs = {}  # id of a rounded input -> (it, the input before rounding)
-        took_rounded = []  # the projections that multiplied a rounded input
 
-        def int8_rows(x):
-            y = plain_rows(x)
-            inputs[id(y)] = (y, x)
-            return y
+def test_the_reference_names_the_dots_it_rounds_as(artifacts):
+    from kipp.errors import KippError
+    from kipp.formats.artifact import open_artifact
+    from kipp.reference.backend import ReferenceBackend
 
-        def linear(x, w, keep=rounds_first_o):
-            if id(x) in inputs:
-                y, x = inputs.pop(id(x))
-                if (w is first_o) == keep:
-                    x = y
-                    took_rounded.append(w)
-            return plain_linear(x, w)
-
-        monkeypatch.setattr(ops, "int8_rows", int8_rows)
-        monkeypatch.setattr(ops, "linear", linear)
-        result = gates.gate_designed(model)
-        monkeypatch.undo()
-        assert took_rounded and any(w is first_o for w in took_rounded) == rounds_first_o
-        assert result.metric == off, (rounds_first_o, result.detail)
+    artifact = open_artifact(artifacts(TINY, "q8_0"))
+    with pytest.raises(KippError, match="activations 'int4'"):
+        ReferenceBackend(artifact, 4, activations="int4")
 
 
 def test_the_int8_dot_is_gated_against_a_reference_that_rounds(artifacts, monkeypatch):
@@ -168,7 +167,7 @@ def test_the_int8_dot_is_gated_against_a_reference_that_rounds(artifacts, monkey
     assert gates.bound_key(model.backend) == "jax-int8"
     result = gates.gate_vs_reference(model)
     assert result.passed and result.bound == gates.BOUNDS["jax-int8"]["reference"], result
-    monkeypatch.setattr(consistency, "rounds_to_int8", lambda backend: False)
+    monkeypatch.setattr(consistency, "activation_dots", lambda backend: "f32")
     unrounded = gates.gate_vs_reference(model)
     assert not unrounded.passed and unrounded.metric > 10 * result.metric, unrounded
     # a BF16 artifact under the same setting runs the float32 dot (the int8 dot meets no

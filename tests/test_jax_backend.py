@@ -31,11 +31,11 @@ BOUND = 1e-4
 
 
 def _backends(artifacts, checkpoint_id, scheme, **options):
-    """The reference and the JAX backend on one artifact; the reference rounds the quantized
-    projections' inputs where the JAX backend's int8 dot does (gates.rounds_to_int8)."""
+    """The reference and the JAX backend on one artifact; the reference rounds the
+    projections' inputs where the JAX backend's CPU dots do (gates.activation_dots)."""
     artifact = open_artifact(artifacts(checkpoint_id, scheme))
     jb = JaxBackend(artifact, BLOCKS, **options)
-    return ReferenceBackend(artifact, BLOCKS, int8_activations=gates.rounds_to_int8(jb)), jb
+    return ReferenceBackend(artifact, BLOCKS, activations=gates.activation_dots(jb)), jb
 
 
 def _tokens(seed, n):

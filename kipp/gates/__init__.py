@@ -23,12 +23,12 @@ from typing import Sequence
 from kipp.gates.bounds import BOUNDS, GATES, bound_key, calibrated_bound
 from kipp.gates.compare import GateResult, argmax_check, compare, gate_rows, nmse
 from kipp.gates.consistency import (
+    activation_dots,
     gate_backends,
     gate_batched,
     gate_cached_decode,
     gate_scrambled_table,
     gate_vs_reference,
-    rounds_to_int8,
 )
 from kipp.gates.greedy import (
     DESIGNED_STEPS,
@@ -47,10 +47,10 @@ from kipp.gates.source import (
 
 __all__ = [
     "BOUNDS", "DEFAULT_PROMPTS", "DESIGNED_STEPS", "GATES", "QUALITY_STEPS", "GateResult",
-    "all_position_logits", "argmax_check", "bound_key", "calibrated_bound", "compare",
-    "designed_prompts", "format_table", "gate_backends", "gate_batched", "gate_cached_decode",
-    "gate_designed", "gate_rows", "gate_scrambled_table", "gate_source", "gate_transformers",
-    "gate_vs_reference", "greedy_tokens", "nmse", "quality_report", "rounds_to_int8",
+    "activation_dots", "all_position_logits", "argmax_check", "bound_key", "calibrated_bound",
+    "compare", "designed_prompts", "format_table", "gate_backends", "gate_batched",
+    "gate_cached_decode", "gate_designed", "gate_rows", "gate_scrambled_table", "gate_source",
+    "gate_transformers", "gate_vs_reference", "greedy_tokens", "nmse", "quality_report",
     "run_gates", "transformers_logits", "transformers_model",
 ]
 

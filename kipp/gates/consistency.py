@@ -65,21 +65,22 @@ def gate_batched(model, prompts=DEFAULT_PROMPTS) -> GateResult:
                    f"{len(prompts)} items of {[len(t) for t in token_lists]} tokens;")
 
 
-def rounds_to_int8(backend) -> bool:
-    """Whether `backend` rounds its quantized projections' inputs to int8 (the int8 dot of
-    Kipp's stored CPU matmul): its reference oracle then rounds them the same way."""
-    return "int8" in getattr(backend, "cpu_dot", "f32").split("+")
+def activation_dots(backend) -> str:
+    """The dots of Kipp's stored CPU matmul that round `backend`'s projection inputs ("int8",
+    "bf16", "int8+bf16"; "f32" where none does): its reference oracle rounds them the same
+    way."""
+    return getattr(backend, "cpu_dot", "f32")
 
 
 def gate_vs_reference(model, prompt=DEFAULT_PROMPTS[2], decode_steps: int = 4) -> GateResult:
     """An accelerated backend against the numpy reference on the same artifact: a prefill
     that ends just before a block boundary (every row) and decode steps across it, through a
     scrambled table. The reference rounds the activations where the backend does
-    (rounds_to_int8)."""
+    (activation_dots)."""
     tokens = model.tokenizer.encode(prompt * 2)[:KV_BLOCK - 2]
     blocks = blocks_needed(len(tokens) + decode_steps) + 1
     oracle = open_backend("reference", model.artifact, blocks, kv_scheme=model.backend.kv_scheme,
-                          int8_activations=rounds_to_int8(model.backend))
+                          activations=activation_dots(model.backend))
     table = model.pool.allocate(blocks)
     try:
         scrambled = tuple(int(b) for b in np.random.default_rng(1).permutation(table))

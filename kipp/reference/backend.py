@@ -5,9 +5,11 @@ Per layer, in order: (1) RMSNorm; (2) Q, K, V projections; (3) per-head RMSNorm 
 residual; (7) RMSNorm; (8) down(SiLU(gate(x)) * up(x)); (9) residual. Then the final RMSNorm and
 the output head (the embedding when tied) give 151,936 FP32 logits.
 
-With `int8_activations`, the input of every quantized projection is first rounded as the
-int8 dot of Kipp's stored CPU matmul rounds it (ops.int8_rows): the oracle for a JAX backend
-that runs that dot (kipp.gates.gate_vs_reference builds it so).
+With `activations` naming the dots of Kipp's stored CPU matmul ("int8", "bf16", "int8+bf16"),
+each projection's input is first rounded as that dot rounds it: to int8 per 32-block for a
+quantized projection (ops.int8_rows), to bf16 for a BF16 one and the output head
+(ops.bf16_rows): the oracle for a JAX backend that runs those dots (kipp.gates.
+gate_vs_reference builds it so).
 
 K and V are rounded to BF16 when stored, exactly as the KV storage contract says (or, with
 kv_scheme="q8_0", quantized to Q8_0 head-rows by kipp.formats.kvquant and dequantized on read), and
@@ -43,12 +45,12 @@ class ReferenceBackend(Backend):
     supports_adapters = True  # LoRA: kipp.lora.apply, row by row
 
     def __init__(self, artifact: Artifact, num_blocks: int, kv_dtype=ml_dtypes.bfloat16,
-                 kv_scheme: str = "bf16", int8_activations: bool = False):
+                 kv_scheme: str = "bf16", activations: str = "f32"):
         """`kv_scheme` "q8_0" stores K/V as Q8_0 head-rows (kipp.formats.kvquant). `kv_dtype`
         float32 is a diagnostic only: with K/V unrounded the reference should match an FP32
         oracle to rounding noise, which shows the BF16 KV is the only gap.
-        `int8_activations`: a quantized projection's input rounded per 32-block to int8 first
-        (module docstring); the output head, BF16, keeps float32 as that dot does."""
+        `activations`: "f32", or the stored CPU matmul's dots whose rounding of a
+        projection's input the reference repeats, joined by "+" (module docstring)."""
         entry = artifact.entry
         super().__init__(num_blocks, entry.context_length)
         kvquant.row_bytes(kv_scheme)  # rejects an unknown scheme
@@ -58,7 +60,8 @@ class ReferenceBackend(Backend):
         self.weights = artifact.weights
         self.scheme = artifact.scheme
         self.kv_scheme = kv_scheme
-        self.int8_activations = int8_activations
+        ops.activation_rounding(activations)  # rejects an unknown dot
+        self.activations = activations
         slots = num_blocks * KV_BLOCK
         self.k_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
         self.v_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
@@ -71,7 +74,7 @@ class ReferenceBackend(Backend):
 
     def describe(self) -> str:
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
-        x = ", int8 activations" if self.int8_activations else ""
+        x = f", {self.activations} activations" if self.activations != "f32" else ""
         return f"reference (numpy, {self.scheme.name} weights{x}{kv})"
 
     @property
@@ -112,10 +115,8 @@ class ReferenceBackend(Backend):
         t = x.shape[0]
 
         def linear(x, name):  # W x, plus s * B (A x) on the rows of each adapter's items
-            w = getattr(layer, name)
-            rounded = self.int8_activations and w.ggml_type not in (GGML_BF16, GGML_F32)
-            return lora.add_low_rank(ops.linear(ops.int8_rows(x) if rounded else x, w), x,
-                                     groups, index, name)
+            return lora.add_low_rank(self._linear(x, getattr(layer, name)), x, groups, index,
+                                     name)
 
         h = ops.rms_norm(x, norms["attn_norm"])                            # (1)
         q = linear(h, "q").reshape(t, -1, HEAD_DIM)                         # (2) [T, H, 128]
@@ -152,13 +153,19 @@ class ReferenceBackend(Backend):
             row += n
         return out
 
+    def _linear(self, x, w) -> np.ndarray:
+        """W x, with x rounded first where `activations` names the dot for W's format."""
+        kind = "bf16" if w.ggml_type == GGML_BF16 else None if w.ggml_type == GGML_F32 else "q"
+        round_rows = ops.activation_rounding(self.activations).get(kind)
+        return ops.linear(round_rows(x) if round_rows else x, w)
+
     def _logits(self, x, items) -> list[np.ndarray]:
         """Final RMSNorm and output head for each item's last logits_rows tokens."""
         ends = np.cumsum([len(item.tokens) for item in items])
         rows = np.concatenate([np.arange(end - item.logits_rows, end)
                                for end, item in zip(ends, items)])
         h = ops.rms_norm(x[rows], self._output_norm)
-        logits = ops.linear(h, self.weights.output)
+        logits = self._linear(h, self.weights.output)
         splits = np.cumsum([item.logits_rows for item in items])[:-1]
         return [np.ascontiguousarray(part) for part in np.split(logits, splits)]
 

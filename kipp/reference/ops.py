@@ -14,6 +14,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from kipp.errors import KippError
 from kipp.formats.artifact import Tensor
 from kipp.formats.quant import BLOCK, GGML_BF16, GGML_F32
 from kipp.formats.registry import HEAD_DIM, RMS_NORM_EPS
@@ -58,6 +59,30 @@ def int8_rows(x: np.ndarray) -> np.ndarray:
         dx = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
         q = np.clip(np.rint(np.where(dx != 0, blocks / dx, np.float32(0))), -127, 127)
         return (q * dx).astype(np.float32).reshape(m, k)
+
+
+def bf16_rows(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16 (to nearest even) and back to float32, as the BF16 dot of Kipp's
+    stored CPU matmul and a GPU's tensor cores take it."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+# The roundings a dot of Kipp's stored CPU matmul applies to x, by the weights it meets:
+# "q" the quantized formats (int8 per 32-block), "bf16" BF16 weights.
+_DOT_ROUNDING = {"f32": {}, "int8": {"q": int8_rows}, "bf16": {"bf16": bf16_rows}}
+
+
+def activation_rounding(dots: str) -> dict:
+    """{"q" | "bf16": rounding of x} for a $KIPP_JAX_CPU_DOT-style value ("int8+bf16"): each
+    weight kind takes the first named dot that rounds it; a name it does not know raises."""
+    out: dict = {}
+    for part in dots.split("+"):
+        if part not in _DOT_ROUNDING:
+            raise KippError(f"activations {dots!r}: expected {', '.join(_DOT_ROUNDING)}, "
+                            "or several joined by '+'")
+        for kind, fn in _DOT_ROUNDING[part].items():
+            out.setdefault(kind, fn)
+    return out
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
