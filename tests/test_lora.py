@@ -448,9 +448,9 @@ def test_cli_run_with_lora_generates_under_it(artifacts, made, capsys):
 
 
 # Merged (W + s B A rounded to BF16) vs unmerged on the reference: the merged weights' BF16
-# rounding, which the synthetic circuits amplify; measured 8.75e-4 on alpha's DEFAULT_PROMPTS[:1]
-# (`-k merge -s`), while the adapter itself moves the logits by 0.74
-MERGED_NMSE = 5e-3  # x 5.7
+# rounding, which the synthetic circuits amplify; measured 7.24e-4 on alpha's DEFAULT_PROMPTS[:1]
+# (`-k merge -s`), while the adapter itself moves the logits by 0.048
+MERGED_NMSE = 4e-3  # x 5.5
 
 
 def test_convert_merge_lora_writes_the_adapted_weights_and_records_them(
@@ -473,7 +473,7 @@ def test_convert_merge_lora_writes_the_adapted_weights_and_records_them(
     got, want = all_logits(merged, tokens), all_logits(lora_model, tokens, "alpha")
     error = gates.nmse(got, want)
     print(f"merged vs unmerged NMSE {error:.3g}")
-    assert gates.nmse(all_logits(lora_model, tokens), want) > 50 * MERGED_NMSE
+    assert gates.nmse(all_logits(lora_model, tokens), want) > 10 * MERGED_NMSE
     assert error <= MERGED_NMSE
     capsys.readouterr()
     other = tmp_path / "other.gguf"
