@@ -241,19 +241,20 @@ def test_the_int8_dot_keeps_a_nan_or_inf_in_x(scheme):
 
 @needs_kernel
 def test_the_dot_switch(monkeypatch):
-    """KIPP_JAX_CPU_DOT picks the dot when a call is traced, float32 where it is unset;
-    bf16 keeps float32 under int8; a value it does not know is an error naming the variable."""
+    """KIPP_JAX_CPU_DOT picks the dot when a call is traced, int8 where it is unset; bf16
+    keeps float32 under int8; a value it does not know is an error naming the variable."""
     x, w, _ = _case(4, "bf16", 2, 24, 64)
     f32 = np.asarray(stored_matmul.matmul(x, w, dot=stored_matmul.Dot.F32))
     assert np.array_equal(np.asarray(_int8(x, w)), f32)
     xq, wq, _ = _case(4, "q8_0", 2, 24, 64)
     monkeypatch.delenv(stored_matmul.DOT_ENV)
-    assert stored_matmul.dot_mode() == "f32"
+    assert stored_matmul.dot_mode() == "int8"
+    assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)), np.asarray(_int8(xq, wq)))
+    assert np.array_equal(np.asarray(stored_matmul.matmul(x, w)), f32)
+    monkeypatch.setenv(stored_matmul.DOT_ENV, "f32")
     assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)),
                           np.asarray(stored_matmul.matmul(xq, wq, dot="f32")))
     assert not np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)), np.asarray(_int8(xq, wq)))
-    monkeypatch.setenv(stored_matmul.DOT_ENV, "int8")
-    assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq)), np.asarray(_int8(xq, wq)))
     monkeypatch.setenv(stored_matmul.DOT_ENV, "int4")
     with pytest.raises(ValueError, match="KIPP_JAX_CPU_DOT='int4': expected one of f32, int8"):
         stored_matmul.matmul(xq, wq)
@@ -450,9 +451,9 @@ def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, mode):
     the dot does (_int8_rows for quantized weights, _bf16_rows for BF16 ones under the BF16
     dot) it passes INT8_BACKEND_BOUND or BF16_BACKEND_BOUND; against the plain
     reference it does not pass even the bound between backends (1e-4): the rounding itself is
-    what the synthetic model amplifies, which is why the gates hold a backend on the int8 dot
-    to a reference that rounds (ReferenceBackend(int8_activations=True), checked here against
-    the patched one)."""
+    what the synthetic model amplifies, which is why the gates hold a backend on these dots
+    to a reference that rounds (ReferenceBackend(activations=mode), checked here against the
+    patched one)."""
     from kipp import gates
     from kipp.cuda.backend import JaxBackend
     from kipp.formats.artifact import open_artifact
@@ -499,12 +500,10 @@ def test_a_rounding_dot_at_the_backend(artifacts, monkeypatch, scheme, mode):
     assert set(named) <= used  # each dot named met a weight (int8+bf16: the BF16 head)
     assert same.passed, same.detail
     assert not plain.passed
-    if mode == "int8":  # the reference's own rounding, unpatched: the gates' oracle
-        monkeypatch.setattr(ops, "linear", linear)
-        own = gates.gate_backends(ReferenceBackend(artifact, 12, int8_activations=True),
-                                  backend, tokens, table, logits_rows=30, decode_steps=4,
-                                  bound=INT8_BACKEND_BOUND)
-        assert own.passed, own.detail
+    monkeypatch.setattr(ops, "linear", linear)  # the reference's own rounding: the gates' oracle
+    own = gates.gate_backends(ReferenceBackend(artifact, 12, activations=mode), backend, tokens,
+                              table, logits_rows=30, decode_steps=4, bound=bound)
+    assert own.passed and own.metric == same.metric, (own.detail, same.metric)
 
 
 _SYMBOLS = {"bf16": "Bf16", "q8_0": "Q8_0", "scale4_gs32": "Scale4", "affine4_gs32": "Affine4"}

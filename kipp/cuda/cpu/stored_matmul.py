@@ -9,7 +9,7 @@ C++) decodes the weights exactly as kipp.formats.quant.dequantize does,
 into registers for a decode round and into an L2-sized float32 scratch for a longer one, and
 multiplies every row of x against them: each stored byte is read once per call, however many
 rows; a long round runs about as fast as the float32 panels, so weight_memory "auto" keeps the
-stored format where this kernel runs (kipp.memory). Under the float32 dot (the default) the
+stored format where this kernel runs (kipp.memory). Under the float32 dot the
 activation stays float32, so the only error against the float64 oracle is float32 summation
 (tests/test_cpu_stored_matmul.py); under every dot a row's result is bitwise the same alone or
 batched. `available()` says why when it cannot be built;
@@ -20,19 +20,21 @@ that sum to it exactly, the weights read in place, about 2.5 times the AVX-512 r
 prefill chunk; its own summation order (still bitwise the same alone or batched), inside the
 same bound against float64.
 
-Dot.INT8 (KIPP_JAX_CPU_DOT=int8, opt-in) rounds each row of x to int8 per 32-block (llama.cpp's
+Dot.INT8 (the default) rounds each row of x to int8 per 32-block (llama.cpp's
 q8_0 activation) and runs the quantized formats as integer dots (AVX-512 VNNI where present,
 AVX2's vpmaddubsw where that is the widest; stored_int8.h): each block's whole integer sum,
 then one float32 multiply-add per block, so a round of several rows or a prompt runs about
 twice the float32 dot's rate. The rounding is an error the float32 dot does
 not make: a backend that runs it is gated against a reference that rounds x the same way, by
-bounds of its own (kipp.gates.bounds, "jax-int8"). BF16 weights keep the float32 dot.
+bounds of its own (kipp.gates.bounds, "jax-int8"), and the synthetic checkpoints' designed
+rule holds under it. BF16 weights keep the float32 dot; KIPP_JAX_CPU_DOT=f32 gives every
+format the float32 dot.
 
 Dot.BF16 (KIPP_JAX_CPU_DOT=bf16, opt-in, a CPU with AVX-512 BF16) rounds each row of x to bf16
 for BF16 weights and runs vdpbf16ps over the weights in place: twice the multiply-adds per
 instruction, so a decode round of several rows costs about its weight stream and a prefill
-chunk runs faster; each row bitwise the same alone or batched; no calibrated gate bounds
-(docs/backends.md).
+chunk runs faster; each row bitwise the same alone or batched; gate bounds of its own
+("jax-bf16", "jax-int8+bf16").
 
 Dots join with "+" (KIPP_JAX_CPU_DOT=int8+bf16): each format runs the first that names it, so
 a quantized artifact's BF16 output head takes the BF16 dot while its layers take the int8 one.
@@ -67,11 +69,10 @@ class Dot(str, enum.Enum):
 
 INT8_FORMATS = ("q8_0", "scale4_gs32", "affine4_gs32")
 DOT_FORMATS = {Dot.F32: FORMATS, Dot.INT8: INT8_FORMATS, Dot.BF16: ("bf16",)}
-# Where $KIPP_JAX_CPU_DOT is unset. Not the int8 dot, though it is the quantized formats'
-# faster one: its rounding alone (the numpy reference rounding x the same way) takes every
-# designed prompt of the tiny synthetic checkpoints off their designed greedy rule (at the
-# first layer's o_proj; tests/test_gates.py), so the gates cannot tell it from a fault there.
-DEFAULT_DOT = Dot.F32
+# Where $KIPP_JAX_CPU_DOT is unset: the quantized formats' faster dot, llama.cpp's rounding of
+# x. BF16 weights keep the float32 dot, exact on the AMX build's tile unit, where the BF16 dot
+# runs on AVX-512 instead.
+DEFAULT_DOT = Dot.INT8
 
 
 def target(fmt: str, dot: Dot) -> str:
