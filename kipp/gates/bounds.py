@@ -48,10 +48,11 @@ BOUNDS: dict[str, dict[str, float]] = {
 # through them).
 BOUNDS["mlx-kernels"] = dict(BOUNDS["mlx"])
 # The Pallas kernels: 1e-4, the bound between backends, until tools/calibrate_gates.py runs on
-# a GPU; against the reference, measured in interpret mode on synthetic-v5: their dots take BF16
-# operands on tensor cores, which the synthetic circuits amplify to at most 3.76e-4
-# (affine4_gs32, qwen3-tiny-untied, a 20-token prefill and a decode step) -> 3e-3 (x 8.0).
-BOUNDS["jax-kernels"] = {**dict.fromkeys(GATES, 1e-4), "reference": 3e-3}
+# a GPU; against the reference, measured in interpret mode (the three tiny checkpoints, every
+# scheme, a 20-token prefill and a decode step as tests/test_jax_backend.py's interpret gate):
+# their dots take BF16 operands on tensor cores, which the synthetic circuits amplify to at most
+# 5.18e-4 (qwen3-tiny-base bf16) -> 4e-3 (x 7.7).
+BOUNDS["jax-kernels"] = {**dict.fromkeys(GATES, 1e-4), "reference": 4e-3}
 # The JAX backend where Kipp's stored CPU matmul rounds the activations (one CPU device):
 # "jax-int8" the int8 dot (the default for a quantized artifact), measured by
 # `KIPP_JAX_CPU_DOT=int8 PYTHONPATH=. python tools/calibrate_gates.py --backends jax --schemes
