@@ -72,8 +72,11 @@ def _accelerated(name, artifact):
     for b in ("jax", "mlx") for s in SCHEMES])
 def test_adapters_match_the_reference_and_batch(artifacts, made, scheme, backend):
     artifact = open_artifact(artifacts(TINY, scheme))
-    ref = _with_adapters(ReferenceBackend(artifact, BLOCKS), made, artifact.entry)
     jb = _with_adapters(_accelerated(backend, artifact), made, artifact.entry)
+    # the reference rounds the projections' inputs where the JAX backend's CPU dots do
+    ref = _with_adapters(ReferenceBackend(artifact, BLOCKS,
+                                          activations=gates.activation_dots(jb)),
+                         made, artifact.entry)
     prompts = [_tokens(seed, n) for seed, n in ((1, 20), (2, 25), (3, 30))]
     tables = [(0, 1), (2, 3), (4, 5)]
     want, got = _run(ref, prompts, tables), _run(jb, prompts, tables)
@@ -137,14 +140,13 @@ def _kernel_path(name, artifact):
 def test_adapters_beside_the_kernels_match_the_reference(artifacts, tiny_dir, tmp_path, path):
     """The low-rank term beside the Pallas and Metal kernels (q8_0 base): a batch of an adapter
     on all seven projections, the base and one on three, prefill then a decode step, against
-    the reference with the same adapters. The adapters move the logits less than the gates'
-    alpha (whose NMSE vs the base is ~0.45 here): the Pallas kernels' BF16 operands put one
-    prefill row of alpha's at NMSE 0.79, where its designed circuit sits on an edge, the other
-    rows at 1e-4..5e-3, while the Metal kernels (float32 operands) match alpha at 3e-9."""
+    the reference with the same adapters. Alpha moves the logits (NMSE 0.04 vs the base) well
+    past the Pallas kernels' bound; measured against the reference: the Pallas kernels (BF16
+    operands) 5e-5..1.3e-4, the Metal kernels (float32 operands) up to 1.7e-10."""
     from test_lora import ALL, make_peft_adapter
 
     artifact = open_artifact(artifacts(TINY, "q8_0"))
-    specs = {"alpha": (8, 16, ALL, 0.008), "beta": (4, 8, ("q_proj", "v_proj", "down_proj"),
+    specs = {"alpha": (8, 16, ALL, 0.02), "beta": (4, 8, ("q_proj", "v_proj", "down_proj"),
                                                     0.005)}
     backends = [ReferenceBackend(artifact, BLOCKS), _kernel_path(path, artifact)]
     for i, (name, (rank, alpha, targets, b_std)) in enumerate(specs.items()):
