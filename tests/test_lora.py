@@ -17,15 +17,16 @@ TINY = "kipp-synthetic/qwen3-tiny"
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (rank, alpha, targets, rslora, seed, std of B) of the two adapters the gates use.
 # peft initialises B to zero (the adapter a no-op): the gates draw it instead, large enough to
-# move the logits (NMSE vs the base 0.1..0.7 for alpha, ~0.03..0.1 for beta).
+# move the logits (NMSE vs the base 0.03..0.12 for each on the first three default prompts).
 SPECS = {"alpha": (4, 8, ALL, False, 1, 0.01),
          "beta": (8, 4, ("q_proj", "v_proj", "down_proj"), True, 2, 0.02)}
 # The BF16-KV reference vs peft's float32 KV: the rounding the KV storage contract makes, which
-# the synthetic circuits amplify more under an adapter than the base's 1e-5 (measured
+# the synthetic circuits amplify more under an adapter than the base's 2e-5 (measured
 # on SPECS with DEFAULT_PROMPTS[:3], `pytest -m slow tests/test_lora.py -k peft -s`);
 # the exactness of the low-rank term itself is gated with float32 KV.
-LORA_BF16_KV_NMSE = 1e-2  # measured 1.69e-3 (x 5.9)
-LORA_F32_KV_NMSE = 1e-8  # float32 rounding only: measured 1.41e-9 (x 7.1), same command
+LORA_BF16_KV_NMSE = 6e-2  # measured 1.15e-2 (x 5.2): beta on the first prompt
+# float32 rounding only, same command: measured 1.80e-10 here, 1.41e-9 on an earlier circuit
+LORA_F32_KV_NMSE = 1e-8
 
 
 def make_peft_adapter(source, out, rank, alpha, targets, rslora, seed, b_std, base=TINY):
