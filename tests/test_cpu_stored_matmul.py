@@ -33,6 +33,7 @@ plain reference 3.5e-4), BF16_BACKEND_BOUND = 5e-5.
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -401,9 +402,13 @@ def test_the_bf16_dot_switch(monkeypatch):
     on float32; where the CPU or the build has no BF16 dot, the setting is an error naming the
     variable and why."""
     xq, wq, _ = _case(4, "q8_0", 2, 24, 64)
-    f32 = np.asarray(stored_matmul.matmul(xq, wq, dot=stored_matmul.Dot.F32))
-    assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq, dot="bf16")), f32)
-    if stored_matmul.bf16_dot_supported()[0]:
+    supported, why = stored_matmul.bf16_dot_supported()
+    if not supported:  # this CPU or build: the real reason, named
+        with pytest.raises(ValueError, match=f"KIPP_JAX_CPU_DOT=bf16: {re.escape(why)}"):
+            stored_matmul.matmul(xq, wq, dot="bf16")
+    else:
+        f32 = np.asarray(stored_matmul.matmul(xq, wq, dot=stored_matmul.Dot.F32))
+        assert np.array_equal(np.asarray(stored_matmul.matmul(xq, wq, dot="bf16")), f32)
         x, w, _ = _case(4, "bf16", 2, 24, 64)
         monkeypatch.setenv(stored_matmul.DOT_ENV, "bf16")
         assert np.array_equal(np.asarray(stored_matmul.matmul(x, w)), np.asarray(_bf16(x, w)))
