@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kipp import gates
-from kipp.synthetic.rule import rule as designed_rule
 from kipp.cli import main as cli_main
+from kipp.synthetic.rule import rule as designed_rule
 
 TINY = "kipp-synthetic/qwen3-tiny"
 TINY_IDS = ["kipp-synthetic/qwen3-tiny", "kipp-synthetic/qwen3-tiny-base",

@@ -60,7 +60,6 @@ class ReferenceBackend(Backend):
         self.weights = artifact.weights
         self.scheme = artifact.scheme
         self.kv_scheme = kv_scheme
-        ops.activation_rounding(activations)  # rejects an unknown dot
         self.activations = activations
         slots = num_blocks * KV_BLOCK
         self.k_cache = KVSlab(entry.layers, slots, kv_scheme, kv_dtype)
@@ -71,6 +70,16 @@ class ReferenceBackend(Backend):
             for layer in self.weights.layers
         ]
         self._output_norm = self.weights.output_norm.f32()
+
+    @property
+    def activations(self) -> str:
+        return self._activations
+
+    @activations.setter
+    def activations(self, dots: str) -> None:
+        # the rounding of x per weight kind, looked up once here rather than per projection
+        self._rounding = ops.activation_rounding(dots)  # rejects an unknown dot
+        self._activations = dots
 
     def describe(self) -> str:
         kv = "" if self.kv_scheme == "bf16" else f", {self.kv_scheme} KV"
@@ -156,7 +165,7 @@ class ReferenceBackend(Backend):
     def _linear(self, x, w) -> np.ndarray:
         """W x, with x rounded first where `activations` names the dot for W's format."""
         kind = "bf16" if w.ggml_type == GGML_BF16 else None if w.ggml_type == GGML_F32 else "q"
-        round_rows = ops.activation_rounding(self.activations).get(kind)
+        round_rows = self._rounding.get(kind)
         return ops.linear(round_rows(x) if round_rows else x, w)
 
     def _logits(self, x, items) -> list[np.ndarray]:
