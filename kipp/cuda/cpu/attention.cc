@@ -20,10 +20,11 @@
 // V rows. A decode round whose units can be a sequence and 4 or 8 KV heads, every thread
 // given one, takes those instead (DecodeUnit), reading each position's heads as one span.
 // Float32 throughout; each dot is two chains of 8 eight-wide fused multiply-adds (even and odd
-// vectors, one 16-wide chain of both in AVX-512 builds) then a fixed pairwise sum (in AVX-512
-// builds a prefill unit's four dots' sums at once, as vector adds of the same pairs), so a
-// query's result depends neither on the other queries and sequences in the round, nor on the
-// unit, nor on the thread split.
+// vectors, one 16-wide chain of both in AVX-512 builds) then a fixed pairwise sum (four dots'
+// sums at once, as vector adds of the same pairs, in a prefill unit of the AVX-512 builds and
+// in both units of the AVX2 build, whose dots run four positions side by side), so a query's
+// result depends neither on the other queries and sequences in the round, nor on the unit,
+// nor on the thread split.
 #include <string>
 #include <vector>
 
@@ -61,17 +62,87 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // Eight BF16 bit patterns -> eight float32 (exact: the bits become the top half).
 inline v8 Widen(const uint16_t* p) {
+#if defined(__AVX2__)  // one vpmovzxwd: the compiler's conversion took two halves and an insert
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+#else
   u16x8 bits;
   std::memcpy(&bits, p, sizeof bits);
   u32x8 wide = __builtin_convertvector(bits, u32x8) << 16;
   v8 out;
   std::memcpy(&out, &wide, sizeof out);
   return out;
+#endif
 }
 
 inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
+
+#if !defined(__AVX512F__)
+// Four dots' Sum(even + odd) times `scale` into out[0..3]. With AVX2, one tree of vector adds
+// of Sum's own pairs (hadd's lanes: e0 + e1 and e2 + e3 of each e, then those two's sum, per
+// 128-bit half; the halves' sum is Sum's last add), as the AVX-512 builds' Dot16x4.
+inline void Sum4(const v8 (&even)[4], const v8 (&odd)[4], float scale, float* out) {
+#if defined(__AVX2__)
+  __m256 e[4];
+  for (int i = 0; i < 4; ++i) e[i] = reinterpret_cast<__m256>(even[i] + odd[i]);
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = Sum(even[i] + odd[i]) * scale;
+#endif
+}
+
+// A query's dots with C (1 or 4) rows key, key + stride, ..., times `scale`, into out: each
+// the even and odd chains of 8 fused multiply-adds (vectors 0, 2, ... and 1, 3, ... of the 16)
+// and Sum, four rows' chains side by side so that each query vector is loaded once for them
+// (holding all 16 in registers, as the AVX-512 builds do, would spill AVX2's 16).
+template <int C>
+inline void Dots(const float* query, const float* key, int64_t stride, float scale,
+                 float* out) {
+  v8 even[4] = {}, odd[4] = {};
+  for (int64_t j = 0; j < kVectors; j += 2) {
+    const v8 qe = Load(query + 8 * j), qo = Load(query + 8 * j + 8);
+    for (int i = 0; i < C; ++i) {
+      even[i] = Fma(qe, Load(key + i * stride + 8 * j), even[i]);
+      odd[i] = Fma(qo, Load(key + i * stride + 8 * j + 8), odd[i]);
+    }
+  }
+  if constexpr (C == 4) {
+    Sum4(even, odd, scale, out);
+  } else {
+    for (int i = 0; i < C; ++i) out[i] = Sum(even[i] + odd[i]) * scale;
+  }
+}
+
+// Dots over `count` rows: four at a time, then one at a time.
+inline void DotRows(const float* query, const float* key, int64_t stride, int64_t count,
+                    float scale, float* out) {
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) Dots<4>(query, key + i * stride, stride, scale, out + i);
+  for (; i < count; ++i) Dots<1>(query, key + i * stride, stride, scale, out + i);
+}
+
+// acc[0..16) += weights[i] * value rows i (at value + i * stride), i = 0..count, each lane's
+// fused multiply-adds in i order: 8 of the 16 vectors at a time, which with the weight and
+// a value vector fill AVX2's 16 registers where all 16 would spill.
+inline void WeightedSum(v8* acc, const float* weights, const float* value, int64_t stride,
+                        int64_t count) {
+  for (int64_t half = 0; half < kVectors; half += kVectors / 2) {
+    v8 sum[kVectors / 2];
+    for (int64_t j = 0; j < kVectors / 2; ++j) sum[j] = acc[half + j];
+    for (int64_t i = 0; i < count; ++i) {
+      const v8 w = Broadcast(weights[i]);
+      for (int64_t j = 0; j < kVectors / 2; ++j) {
+        sum[j] = Fma(w, Load(value + i * stride + 8 * (half + j)), sum[j]);
+      }
+    }
+    for (int64_t j = 0; j < kVectors / 2; ++j) acc[half + j] = sum[j];
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 inline __m512 Widen16(const uint16_t* p) {  // sixteen at once, the same bits
@@ -217,17 +288,7 @@ struct Problem {
             out_scores[p] = Dot16(qv, rows_buffer + (p - first) * kHeadDim) * scale;
           }
 #else
-          v8 qv[kVectors];
-          for (int64_t j = 0; j < kVectors; ++j) qv[j] = Load(query(t, h) + 8 * j);
-          for (int64_t p = first; p < stop; ++p) {
-            const float* key = rows_buffer + (p - first) * kHeadDim;
-            v8 even = v8{}, odd = v8{};
-            for (int64_t j = 0; j < kVectors; j += 2) {
-              even = Fma(qv[j], Load(key + 8 * j), even);
-              odd = Fma(qv[j + 1], Load(key + 8 * j + 8), odd);
-            }
-            out_scores[p] = Sum(even + odd) * scale;
-          }
+          DotRows(query(t, h), rows_buffer, kHeadDim, stop - first, scale, out_scores + first);
 #endif
         }
       }
@@ -258,14 +319,7 @@ struct Problem {
           }
           for (int64_t j = 0; j < kVectors / 2; ++j) _mm512_storeu_ps(af + 16 * j, sum[j]);
 #else
-          v8 sum[kVectors];
-          for (int64_t j = 0; j < kVectors; ++j) sum[j] = a[j];
-          for (int64_t p = first; p < stop; ++p) {
-            const v8 w = Broadcast(weights[p]);
-            const float* value = rows_buffer + (p - first) * kHeadDim;
-            for (int64_t j = 0; j < kVectors; ++j) sum[j] = Fma(w, Load(value + 8 * j), sum[j]);
-          }
-          for (int64_t j = 0; j < kVectors; ++j) a[j] = sum[j];
+          WeightedSum(a, weights + first, rows_buffer, kHeadDim, stop - first);
 #endif
         }
       }
@@ -313,26 +367,22 @@ struct Problem {
       for (int64_t r = 0; r < rows; ++r) {
         const float* qh = query + r * kHeadDim;
         const float* key = rows_buffer + (r / group) * kHeadDim;
-        for (int64_t i = 0; i < n; ++i, key += width) {
-          v8 even = v8{}, odd = v8{};
 #if defined(__AVX512F__)
+        for (int64_t i = 0; i < n; ++i, key += width) {
           // the even chain in the low 8 lanes, the odd one in the high 8: the same FMAs
           __m512 both = _mm512_setzero_ps();
           for (int64_t j = 0; j < kVectors; j += 2) {
             both = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 8 * j), _mm512_loadu_ps(key + 8 * j),
                                    both);
           }
-          even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
-          odd = reinterpret_cast<v8>(
+          const v8 even = reinterpret_cast<v8>(_mm512_castps512_ps256(both));
+          const v8 odd = reinterpret_cast<v8>(
               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1)));
-#else
-          for (int64_t j = 0; j < kVectors; j += 2) {
-            even = Fma(Load(qh + 8 * j), Load(key + 8 * j), even);
-            odd = Fma(Load(qh + 8 * j + 8), Load(key + 8 * j + 8), odd);
-          }
-#endif
           scores[r * reach + p0 + i] = Sum(even + odd) * scale;
         }
+#else
+        DotRows(qh, key, width, n, scale, scores.data() + r * reach + p0);
+#endif
       }
     }
     for (int64_t r = 0; r < rows && reach > 0; ++r) Softmax(scores.data() + r * reach, reach);
@@ -355,13 +405,7 @@ struct Problem {
         }
         for (int64_t j = 0; j < kVectors; j += 2) _mm512_storeu_ps(af + 8 * j, sum[j / 2]);
 #else
-        v8 sum[kVectors];
-        for (int64_t j = 0; j < kVectors; ++j) sum[j] = a[j];
-        for (int64_t i = 0; i < n; ++i, value += width) {
-          const v8 w = Broadcast(weights[i]);
-          for (int64_t j = 0; j < kVectors; ++j) sum[j] = Fma(w, Load(value + 8 * j), sum[j]);
-        }
-        for (int64_t j = 0; j < kVectors; ++j) a[j] = sum[j];
+        WeightedSum(a, weights, value, width, n);
 #endif
       }
     }
