@@ -79,17 +79,24 @@ inline float Sum(v8 v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+#if defined(__AVX2__)
+// Sum of each of four dots' even + odd e[i], times `scale`, into out[0..3]: one tree of vector
+// adds of Sum's own pairs (hadd's lanes: e0 + e1 and e2 + e3 of each e, then those two's sum,
+// per 128-bit half; the halves' sum is Sum's last add), so the same bits as Sum.
+inline void Sums4(const __m256 (&e)[4], float scale, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+}
+#endif
+
 #if !defined(__AVX512F__)
-// Four dots' Sum(even + odd) times `scale` into out[0..3]. With AVX2, one tree of vector adds
-// of Sum's own pairs (hadd's lanes: e0 + e1 and e2 + e3 of each e, then those two's sum, per
-// 128-bit half; the halves' sum is Sum's last add), as the AVX-512 builds' Dot16x4.
+// Four dots' Sum(even + odd) times `scale` into out[0..3].
 inline void Sum4(const v8 (&even)[4], const v8 (&odd)[4], float scale, float* out) {
 #if defined(__AVX2__)
   __m256 e[4];
   for (int i = 0; i < 4; ++i) e[i] = reinterpret_cast<__m256>(even[i] + odd[i]);
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
-  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+  Sums4(e, scale, out);
 #else
   for (int i = 0; i < 4; ++i) out[i] = Sum(even[i] + odd[i]) * scale;
 #endif
@@ -167,9 +174,7 @@ inline float Dot16(const __m512 (&qv)[kVectors / 2], const float* key) {
 }
 
 // Dot16 of a query with rows key, key + stride, ..., 4 of them, times `scale`, into out[0..3]:
-// the four chains side by side, and their sums as one tree of vector adds of Sum's pairs
-// (hadd's lanes: e0 + e1 and e2 + e3 of each even + odd e, then those two's sum, per 128-bit
-// half; the halves' sum is Sum's last add).
+// the four chains side by side, their sums in one tree (Sums4).
 inline void Dot16x4(const __m512 (&qv)[kVectors / 2], const float* key, int64_t stride,
                     float scale, float* out) {
   __m512 both[4];
@@ -181,9 +186,7 @@ inline void Dot16x4(const __m512 (&qv)[kVectors / 2], const float* key, int64_t 
   }
   __m256 e[4];
   for (int i = 0; i < 4; ++i) e[i] = EvenPlusOdd(both[i]);
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
-  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+  Sums4(e, scale, out);
 }
 
 #endif
